@@ -1,0 +1,299 @@
+"""
+bench.py: the speed benchmark of issue 6. Every figure is measured in one run, on one saved
+randomly initialised model (same weights for every contender), with every response forced to
+its full length, and reported as the median of several interleaved repeats (A B A B ...).
+
+Parts:
+  sampler  rollout tokens/s of brorl's sampler (prefill once, cascade attention) vs Hugging Face
+           model.generate(num_return_sequences=N) at (N, prompt, new) = (512, 16, 32) and
+           (512, 256, 64). Ours runs with eos_id=-1 (no token equals it, so it never stops);
+           generate with min_new_tokens=max_new_tokens. Same sampling: T=1, top_p=1, top_k off.
+  step     completions/s and peak RSS of brorl.rl_step (rollout + reward + update) with
+           2 prompts x N rollouts, N in {64, 512}, 32 new tokens, the same micro-batch for both;
+           one fresh subprocess per (N, repeat), so its peak RSS (VmHWM) is that configuration's own.
+           Lengths are held fixed by a tokenizer whose EOS id is -1; every response is then
+           "truncated" and scores 0, which changes the advantages' values (all 0), not the work:
+           the update still runs its forward and backward over every token.
+  gpu      (CUDA only) the same two parts in bf16 on a randomly initialised model with
+           Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
+           for N in {16, 64, 256, 512} at a fixed number of samples per step.
+
+Commands:
+  python bench.py                          # sampler + step on this CPU (fp32, ~2.4M params)
+  python bench.py --part sampler --repeats 5
+  python bench.py --part gpu               # on a CUDA machine
+  python bench.py --save DIR               # write the bench model, tokenizer, prompts.json
+  bash bench_trl.sh                        # TRL GRPOTrainer on the same model, in its own venv
+  python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with ours
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# On a shared CPU, OpenMP threads that spin while waiting for each other are descheduled mid-spin:
+# measured here, 2 spinning threads ran the same rollout 3-7x slower than with passive waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; override freely
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import brorl  # noqa: E402
+import data  # noqa: E402
+
+# Architectures. "tiny": the CPU bench model of the issue (~2.4M params with the 258-token byte
+# vocabulary). "0.5b": Qwen2.5-0.5B's config numbers, randomly initialised (the GPU part).
+ARCHS = {
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+                 rope_theta=1e6, rms_norm_eps=1e-6, vocab_size=151936),
+}
+SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens), from issue 6
+
+
+class NeverEos:
+    """The tokenizer with an EOS id that no sampled token can equal: every rollout runs to
+    max_new_tokens. Everything else (pad id, encode, decode) is the wrapped tokenizer's."""
+    eos_token_id = -1
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.tok(*args, **kwargs)
+
+
+def load_tokenizer():
+    """The embedded model's tokenizer if it is built, else the same 258-token byte vocabulary."""
+    tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL) if data.EMBEDDED_MODEL.is_dir() else data.build_tokenizer()
+    tok.model_max_length = 4096  # the byte tokenizer says 64 (the arith task); prompts here are longer
+    return tok
+
+
+def save_bench_model(out: Path, arch: str, dtype, seed: int = 0):
+    """Write a randomly initialised Qwen2, its tokenizer and the step part's prompts to `out`."""
+    tok = load_tokenizer()
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**{"vocab_size": len(tok), **ARCHS[arch]}, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=None)
+    model = Qwen2ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    prompts = data.arith_problems("train", 2, seed=seed)  # 2 prompts per step, e.g. "123+456="
+    (out / "prompts.json").write_text(json.dumps([{"prompt": p["prompt"], "answer": p["answer"]} for p in prompts]))
+    print(f"bench model '{arch}': {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+          f"V={cfg.vocab_size}, {dtype}, saved to {out}")
+
+
+def load_model(path, attn: str, device, dtype):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn).to(device).eval()
+    assert model.config._attn_implementation == attn, model.config._attn_implementation
+    return model
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process. Linux's ru_maxrss survives fork + exec (a child of a
+    big parent reports the parent's peak), so read VmHWM, the peak of this process's own memory."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        return next(int(ln.split()[1]) for ln in status.read_text().splitlines() if ln.startswith("VmHWM")) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS
+
+
+def timed(fn):
+    """(seconds, fn()), synchronising the GPU on both sides."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+# ----------------------------------------------------------------------------
+# Part 1: the sampler vs model.generate
+
+
+def random_prompt(length: int, seed: int) -> list:
+    """Token ids of `length` random printable ASCII bytes (the byte tokenizer's id = byte value)."""
+    rng = random.Random(seed)
+    return [rng.randrange(33, 127) for _ in range(length)]
+
+
+def run_ours(model, ids, n, new, pad_id, gen):
+    tokens, mask, _, _ = brorl.generate_group_chunk(model, [ids], n, new, 1.0, 1.0, -1, pad_id, gen)
+    assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
+    return tokens
+
+
+def run_generate(model, ids, n, new, tok):
+    x = torch.tensor([ids], device=model.device)  # (1, P); generate copies it N times
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, num_return_sequences=n,
+                         max_new_tokens=new, min_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert out.shape == (n, len(ids) + new)
+    return out
+
+
+def bench_sampler(path, device, dtype, cases, repeats, tok):
+    ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = random_prompt(24, seed=0)
+    # same weights, same logic: greedy tokens agree (and warms both paths up)
+    a = brorl.generate_group_chunk(ours, [ids], 1, 16, 0.0, 1.0, -1, tok.pad_token_id, gen)[0]  # (1, 16)
+    b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
+    agree = (a == b[:, len(ids):]).float().mean().item()
+    print(f"\n== sampler: rollout tokens/s, median of {repeats} (greedy agreement ours vs generate: {agree:.0%})")
+    print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'brorl tok/s':>11} {'generate tok/s':>14} | {'ratio':>6}")
+    results = []
+    for n, p, new in cases:
+        ids = random_prompt(p, seed=p)
+        contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id, gen),
+                      "generate": lambda: run_generate(hf, ids, n, new, tok)}
+        times = {k: [] for k in contenders}
+        for _ in range(repeats):  # interleaved: A B A B ...
+            for k, fn in contenders.items():
+                times[k].append(timed(fn)[0])
+        tps = {k: n * new / statistics.median(v) for k, v in times.items()}
+        ratio = tps["brorl"] / tps["generate"]
+        print(f"{n:>5} {p:>6} {new:>4} | {tps['brorl']:>11.0f} {tps['generate']:>14.0f} | {ratio:>5.2f}x"
+              f"   (s per run: brorl {' '.join(f'{t:.2f}' for t in times['brorl'])};"
+              f" generate {' '.join(f'{t:.2f}' for t in times['generate'])})")
+        results.append(dict(n=n, prompt=p, new=new, **{f"{k}_tok_s": v for k, v in tps.items()}, ratio=ratio))
+    return results
+
+
+# ----------------------------------------------------------------------------
+# Part 2: a full rl_step (rollout + reward + update), one subprocess per configuration
+
+
+def step_child(args):
+    """Runs in its own process: warm-up + `steps` rl_steps; prints one JSON line."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(args.model_dir, "brorl", device, dtype)
+    tok = NeverEos(AutoTokenizer.from_pretrained(args.model_dir))
+    examples = [dict(e, task="arith") for e in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
+    B = len(examples)
+    cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
+                       dynamic_sampling=False, micro_batch=args.micro_batch, max_rows=max(4096, B * args.n))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    rng, gen, gen_cpu = random.Random(0), torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(1 + args.steps):  # step 0 is the warm-up, not timed
+        dt, m = timed(lambda: brorl.rl_step(model, None, opt, tok, cfg, examples, rng, gen, gen_cpu, 1.0))
+        assert m["resp_len"] == args.new and m["groups_kept"] == B, m  # full length, nothing dropped
+        if i:
+            rows.append((dt, m["time_rollout"], m["time_update"]))
+    step_s, roll_s, upd_s = (statistics.median(x) for x in zip(*rows))
+    out = dict(n=args.n, step_s=step_s, rollout_s=roll_s, update_s=upd_s, completions_s=B * args.n / step_s,
+               peak_rss_mb=peak_rss_mb())
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    print("RESULT " + json.dumps(out))
+
+
+def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python=""):
+    print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, median of {repeats} "
+          f"processes x {steps} steps (after one warm-up step each)")
+    common = ["--model_dir", str(path), "--new", str(new), "--micro_batch", str(micro_batch),
+              "--steps", str(steps), "--threads", str(threads)]
+    runs = {("brorl", n): [sys.executable, __file__, "--child", *common] for n in ns}
+    if trl_python:  # TRL's GRPOTrainer in its own venv (bench_trl.sh), interleaved with ours
+        trl = [trl_python, str(Path(__file__).with_name("bench_trl.py")), *common]
+        runs.update({("TRL", n): trl for n in ns})
+    res = {k: [] for k in runs}
+    for _ in range(repeats):  # interleaved across processes: brorl 64, brorl 512, TRL 64, ...
+        for (name, n), cmd in runs.items():
+            out = subprocess.run(cmd + ["--n", str(n)], capture_output=True, text=True)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode or not line:
+                sys.exit(f"{name} N={n} failed:\n{out.stderr[-3000:]}")
+            res[name, n].append(json.loads(line[0][7:]))
+    mem = "peak_cuda_mb" if torch.cuda.is_available() else "peak_rss_mb"
+    print(f"{'':>5} {'N':>5} | {'completions/s':>13} {'step s':>7} {'rollout s':>9} {'update s':>8} | {mem:>12} | step s per process")
+    med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if isinstance(v[0][f], float)}
+           for k, v in res.items()}
+    for (name, n), m in med.items():
+        parts = " ".join(f"{m[f]:>{w}.2f}" if f in m else f"{'-':>{w}}" for f, w in (("rollout_s", 9), ("update_s", 8)))
+        runs_s = " ".join(f"{r['step_s']:.2f}" for r in res[name, n])
+        print(f"{name:>5} {n:>5} | {m['completions_s']:>13.0f} {m['step_s']:>7.2f} {parts} | {m.get(mem, 0):>12.0f} | {runs_s}")
+    lo, hi = ns[0], ns[-1]
+    print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x (target <= 1.2x)")
+    for n in ns if trl_python else []:
+        print(f"brorl / TRL completions/s at N={n}: {med['brorl', n]['completions_s'] / med['TRL', n]['completions_s']:.2f}x"
+              + (" (target >= 3x)" if n == hi else ""))
+    return med
+
+
+# ----------------------------------------------------------------------------
+# Part 3 (GPU): samples/s as N grows at a fixed number of samples per step
+
+
+def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
+    model = load_model(path, "brorl", device, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    print(f"\n== breadth: rollout samples/s at {samples} samples per step (B = {samples}/N prompts), "
+          f"prompt {prompt}, new {new}, median of {repeats}")
+    for n in ns:
+        ids = [random_prompt(prompt, seed=b) for b in range(samples // n)]
+        fn = lambda: brorl.generate_group_chunk(model, ids, n, new, 1.0, 1.0, -1, tok.pad_token_id, gen)
+        fn()  # warm-up
+        t = statistics.median(timed(fn)[0] for _ in range(repeats))
+        print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="brorl speed benchmark (issue 6)")
+    ap.add_argument("--part", default="all", choices=["sampler", "step", "all", "gpu"])
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
+    ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
+    ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see bench_trl.sh)")
+    ap.add_argument("--save", default="", help="only write the bench model to this dir")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one step-part process
+    ap.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=32, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    brorl.hf_logging.set_verbosity_error()
+    brorl.hf_logging.disable_progress_bar()
+    if args.child:
+        return step_child(args)
+    if args.save:
+        return save_bench_model(Path(args.save), "tiny", torch.float32)
+    gpu = args.part == "gpu"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False)")
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
+    print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        save_bench_model(path, "0.5b" if gpu else "tiny", dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        if args.part in ("sampler", "all", "gpu"):
+            bench_sampler(path, device, dtype, SAMPLER_CASES, args.repeats, tok)
+        if args.part in ("step", "all", "gpu"):
+            trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
+            bench_step(path, [64, 512], 32, args.micro_batch, args.steps, args.repeats, args.threads, trl)
+        if gpu:
+            bench_breadth(path, device, dtype, [16, 64, 256, 512], 2048, 256, 128, args.repeats, tok)
+
+
+if __name__ == "__main__":
+    main()

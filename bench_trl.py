@@ -1,0 +1,114 @@
+"""
+bench_trl.py: TRL's GRPOTrainer on the bench model, for the side-by-side figure of issue 6.
+Runs inside TRL's own venv (bench_trl.sh makes it); imports nothing from brorl.
+
+One brorl step = 2 prompts x N rollouts, 32 new tokens, 2 optimizer steps (n_minibatches=2),
+micro-batch 64, old log-probs computed once before the update. The TRL equivalent: a generation
+batch of 2N completions (steps_per_generation = 2N / 64 micro-batches of 64), gradient
+accumulation over half of them (2 optimizer steps per generation batch), num_iterations=1 (TRL
+then also computes old log-probs with a separate forward), beta=0 (no reference model),
+token-level loss (loss_type "dapo", the default), min_new_tokens=32 so every completion is full
+length. One "step" below is one generation batch, timed from optimizer step to optimizer step.
+
+  bash bench_trl.sh                               # N=512, then N=64
+  /tmp/trl-venv/bin/python bench_trl.py --model_dir DIR --n 512 --steps 3
+"""
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# This file sits beside brorl's kernels.py, which would shadow the optional `kernels` package that
+# transformers probes for (and then fail on triton): drop this directory from the import path.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+def peak_rss_mb() -> float:
+    """Peak RSS of this process: VmHWM (ru_maxrss would include a big parent's peak, see bench.py)."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        return next(int(ln.split()[1]) for ln in status.read_text().splitlines() if ln.startswith("VmHWM")) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def trivial_reward(completions, **kwargs):
+    """1 if the completion has an even number of characters '7', else 0: cheap, not constant."""
+    return [float(c.count("7") % 2 == 0) for c in completions]
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each generation batch (`per` optimizer steps) and the logged lengths."""
+
+    def __init__(self, per: int):
+        self.per, self.marks, self.lengths = per, [], []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.marks.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.per == 0:
+            self.marks.append(time.perf_counter())
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs:
+            self.lengths.append(logs["completions/mean_length"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model_dir", required=True, help="dir written by `python bench.py --save DIR`")
+    ap.add_argument("--n", type=int, default=512, help="rollouts per prompt (num_generations)")
+    ap.add_argument("--new", type=int, default=32, help="new tokens per completion, forced")
+    ap.add_argument("--micro_batch", type=int, default=64, help="per_device_train_batch_size")
+    ap.add_argument("--minibatches", type=int, default=2, help="optimizer steps per generation batch")
+    ap.add_argument("--steps", type=int, default=3, help="timed generation batches (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gradient_checkpointing", type=int, default=0, help="TRL's default is 1 (slower)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    prompts = [p["prompt"] for p in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
+    gen_batch = len(prompts) * args.n  # completions per step
+    micro_steps = gen_batch // args.micro_batch  # steps_per_generation
+    assert gen_batch % (args.micro_batch * args.minibatches) == 0, "2N must split into micro-batches"
+    runs = 1 + args.steps  # warm-up + timed generation batches
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)  # default attention: sdpa
+    with tempfile.TemporaryDirectory() as out:
+        cfg = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+            logging_steps=1, disable_tqdm=True, seed=0, shuffle_dataset=False,
+            num_generations=args.n, per_device_train_batch_size=args.micro_batch,
+            steps_per_generation=micro_steps, gradient_accumulation_steps=micro_steps // args.minibatches,
+            max_steps=runs * args.minibatches, num_iterations=1, beta=0.0, learning_rate=5e-4,
+            max_grad_norm=1.0, max_completion_length=args.new, temperature=1.0, top_p=1.0, top_k=0,
+            generation_kwargs={"min_new_tokens": args.new}, gradient_checkpointing=bool(args.gradient_checkpointing),
+        )
+        timer = StepTimer(per=args.minibatches)
+        trainer = GRPOTrainer(model=model, reward_funcs=trivial_reward, args=cfg, processing_class=tok,
+                              train_dataset=Dataset.from_list([{"prompt": p} for p in prompts] * runs),
+                              callbacks=[timer])
+        trainer.train()
+    step_s = [b - a for a, b in zip(timer.marks, timer.marks[1:])][1:]  # drop the warm-up batch
+    assert all(abs(x - args.new) < 1e-6 for x in timer.lengths), f"lengths not forced: {timer.lengths}"
+    med = statistics.median(step_s)
+    res = dict(n=args.n, step_s=med, completions_s=gen_batch / med,
+               peak_rss_mb=peak_rss_mb(),
+               steps=[round(x, 2) for x in step_s], gradient_checkpointing=args.gradient_checkpointing,
+               threads=args.threads)
+    print(f"TRL GRPOTrainer N={args.n}: {res['completions_s']:.0f} completions/s, {med:.2f} s per step "
+          f"({gen_batch} completions), peak RSS {res['peak_rss_mb']:.0f} MB; steps {res['steps']}")
+    print("RESULT " + json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""
+data.py: what a prompt is. The embedded arithmetic task, the embedded tiny model that is
+warm-started on it, and loaders for real math datasets. Imports nothing from the project.
+
+The embedded task, "arith" (a toy model of RLVR):
+  prompt "123+456=", completion "579" then EOS, gold answer "579" (verify.py task "arith").
+  `digits` (per operand) is the difficulty knob. The split of a problem is a fixed hash of its
+  prompt text (crc32 % 10 == 0: held out), so train and test are disjoint by construction
+  whatever the seed; the seed only picks which problems are drawn. Examples are dicts with
+  "prompt", "answer" (gold, for verify.reward(completion, answer, task)) and "task".
+Why it is a toy model of RLVR: RL with verifiable rewards mostly *selects* among behaviours a
+model already has; it does not quickly teach a small model new skills. So the warm start is a
+short supervised run in two phases: (1) correct additions only, which teaches the skill; (2) a
+*mixture* where each answer is correct with probability p_correct and otherwise comes from one
+of four systematic slips (a+b+1, a+b-1, every carry forgotten, the final carry forgotten). The
+model then samples the right procedure about p_correct of the time on unseen problems, the
+slips most of the rest: pass@1 low, pass@k high. RL has to find and amplify the right mode,
+which is what RLVR does to a real model. The hard variant makes the right mode rare (a few
+percent), which is where breadth (many rollouts per prompt, large N) should matter.
+Math tasks ("math:<file or hub id>") are held out the same way, by a hash of the problem text.
+
+The embedded model: a Qwen2ForCausalLM (GQA: 4 query heads, 2 key/value heads, ~0.6M params)
+with a byte-level tokenizer without merges, i.e. one token per character and token id = byte
+value (V = 256 bytes + pad + eos). Qwen2's own tokenizer pipeline is byte-level BPE, so
+`AutoTokenizer` (which in transformers 5 forces Qwen2Tokenizer on a qwen2 config, whatever
+tokenizer_config.json says) rebuilds exactly this tokenizer.
+
+Commands:
+  python data.py build                  # both assets/tiny-arith and assets/tiny-arith-hard
+  python data.py build --variant hard --seed 1 --out /tmp/m   # one variant, elsewhere
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
+EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
+MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema
+# ProRL's math prompt suffix (PAPER.md section 5), joined to the problem by one space as in veRL
+MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
+
+# ----------------------------------------------------------------------------
+# The embedded task: a + b
+
+
+def split_of(prompt: str) -> str:
+    """Fixed split of a problem by a hash of its text: ~10% held out, independent of any seed."""
+    return "test" if zlib.crc32(prompt.encode()) % 10 == 0 else "train"
+
+
+def arith_problems(split: str, n: int, seed: int = 0, digits: int = 3) -> list[dict]:
+    """n distinct problems a+b of the split, both operands with exactly `digits` digits."""
+    lo, hi = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+    rng = random.Random(f"arith-{split}-{seed}-{digits}")  # string seeds are stable across runs
+    if (hi - lo + 1) ** 2 <= 100_000:  # small space: enumerate it, so any n up to its size works
+        pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
+                 if split_of(f"{a}+{b}=") == split]
+        if n > len(pairs):
+            raise ValueError(f"arith {split} split with digits={digits} has {len(pairs)} problems, asked {n}")
+        pairs = rng.sample(pairs, n)
+    else:  # huge space: rejection-sample distinct pairs of the split
+        seen, pairs = set(), []
+        while len(pairs) < n:
+            ab = (rng.randint(lo, hi), rng.randint(lo, hi))
+            if ab not in seen and split_of(f"{ab[0]}+{ab[1]}=") == split:
+                seen.add(ab)
+                pairs.append(ab)
+    return [dict(prompt=f"{a}+{b}=", answer=str(a + b), task="arith", a=a, b=b) for a, b in pairs]
+
+
+def _no_carry(a: int, b: int) -> int:
+    """Column-wise sum mod 10 (every carry forgotten): 456+789 -> 135."""
+    return sum(((a // 10**i) % 10 + (b // 10**i) % 10) % 10 * 10**i for i in range(len(str(max(a, b)))))
+
+
+# The answer procedures of the warm-start mixture: the right one and systematic mistakes that
+# give a plausible answer in the same format (an integer of at most digits+1 digits).
+PROCEDURES = {
+    "correct": lambda a, b: a + b,
+    "plus_one": lambda a, b: a + b + 1,  # off by one, up
+    "minus_one": lambda a, b: a + b - 1,  # off by one, down
+    "no_carry": _no_carry,  # forgets every carry
+    "drop_carry": lambda a, b: (a + b) % 10 ** len(str(max(a, b))),  # forgets only the final carry
+}
+
+
+def sample_answer(a: int, b: int, rng: random.Random, p_correct: float) -> tuple[str, str]:
+    """(procedure, answer) from the mixture. A slip that happens to give the right answer on this
+    problem (no_carry when nothing carries) is not drawn, so an answer is correct with
+    probability exactly p_correct."""
+    if rng.random() < p_correct:
+        return "correct", str(a + b)
+    wrong = [k for k, f in PROCEDURES.items() if k != "correct" and f(a, b) != a + b]
+    name = rng.choice(wrong)
+    return name, str(PROCEDURES[name](a, b))
+
+
+def classify(a: int, b: int, completion: str) -> str:
+    """Which procedure produced a sampled completion ('correct' first), or 'other'."""
+    for name, f in PROCEDURES.items():
+        if completion == str(f(a, b)):
+            return name
+    return "other"
+
+
+# ----------------------------------------------------------------------------
+# Real math datasets (DeepScaleR schema: problem / answer / solution)
+
+
+def _read_local(path: Path) -> list:
+    """Rows of a local .jsonl / .json / .parquet file. JSON is parsed here, not by `datasets`,
+    so that a bad row is reported by number instead of failing a whole-file type inference."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        import datasets  # imported lazily: slow, and only real datasets need it
+        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    text = path.read_text()
+    if text.lstrip().startswith("["):  # a JSON array of objects
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    rows = []  # JSON lines; "row i" below is the i-th non-blank line, counted from 1
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: row {len(rows) + 1} (line {lineno}): invalid JSON: {e.msg}") from None
+    return rows
+
+
+def load_math(source: str, split: str = "train", n: int | None = None, problem_key: str = "problem",
+              answer_key: str = "answer", seed: int = 0) -> list[dict]:
+    """Math problems as dict(prompt, answer, task="math"); the prompt is the problem plus ProRL's
+    suffix. `source` is a local .jsonl/.json/.parquet file (one split: `split` is ignored) or a
+    hub dataset id loaded with datasets.load_dataset(source, split=split). n=None: every row in
+    order; else n rows drawn with `seed`. Any bad row raises ValueError naming it: no row is
+    skipped silently."""
+    if source.endswith((".jsonl", ".json", ".parquet")):
+        rows = _read_local(Path(source))
+    else:
+        import datasets
+        rows = datasets.load_dataset(source, split=split)
+    out = []
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}: row {i}: expected a JSON object, got {type(row).__name__}")
+        for key in (problem_key, answer_key):
+            v = row.get(key)
+            if v is None:
+                raise ValueError(f"{source}: row {i}: missing key '{key}' (keys: {sorted(row)})")
+            if not isinstance(v, str) or not v.strip():
+                raise ValueError(f"{source}: row {i}: '{key}' must be a non-empty string, got {v!r}")
+        out.append(dict(prompt=f"{row[problem_key].strip()} {MATH_SUFFIX}", answer=row[answer_key].strip(), task="math"))
+    if n is not None:
+        if n > len(out):
+            raise ValueError(f"{source}: asked for {n} rows, it has {len(out)}")
+        out = random.Random(seed).sample(out, n)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# One entry point for brorl.py
+
+
+def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits: int = 3) -> list[dict]:
+    """Examples dict(prompt, answer, task) for task "arith" or "math:<file or hub id>". split is
+    "train" or "test", held out by a hash of the problem text for both tasks (for math, of the
+    source's single file or its hub "train" split). n=None: every math row of the split, or
+    ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    if task == "arith":
+        if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
+            raise ValueError(f"arith digits must be in 1..20, got {digits}")
+        return arith_problems(split, ARITH_DEFAULT_N[split] if n is None else n, seed, digits)
+    if task.startswith("math:") and len(task) > 5:
+        rows = [r for r in load_math(task[5:]) if split_of(r["prompt"]) == split]
+        if n is not None and n > len(rows):
+            raise ValueError(f"{task[5:]}: asked for {n} {split} rows, it has {len(rows)}")
+        return rows if n is None else random.Random(seed).sample(rows, n)
+    raise ValueError(f"unknown task {task!r}: use 'arith' or 'math:<.jsonl/.json/.parquet path or hub dataset id>'")
+
+
+# ----------------------------------------------------------------------------
+# The embedded model: byte-level tokenizer (no merges) + tiny Qwen2
+
+
+def build_tokenizer():
+    """One token per byte (id = byte value), then <|pad|> = 256 and <|endoftext|> = 257 (EOS).
+    Decoding concatenates characters with no spaces. No bos: prompts start with a digit."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    # GPT-2's byte -> printable-char map, which the ByteLevel pre-tokenizer applies to input text
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    char = {b: chr(b) if b in keep else chr(256 + sum(c not in keep for c in range(b))) for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|pad|>", "<|endoftext|>"])  # ids 256, 257
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>", model_max_length=64)
+
+
+def build_model(tok, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,  # GQA: 2 query heads share each kv head
+        max_position_embeddings=64, tie_word_embeddings=True,  # 3*digits+4 tokens at most
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    return Qwen2ForCausalLM(config)
+
+
+# ----------------------------------------------------------------------------
+# The warm start: supervised next-token cross-entropy on the mixture's completions
+
+
+@dataclass
+class WarmStart:
+    out: str = str(EMBEDDED_MODEL)  # output directory (Hugging Face format)
+    p_correct: float = 0.25  # probability that a mixture answer is the correct one
+    seed: int = 0  # seeds the init, the problems, the mixture draws and the eval sampling
+    digits: int = 3  # digits per operand
+    steps_addition: int = 800  # phase 1, correct answers only: the skill (addition groks at ~600-800)
+    steps_mixture: int = 1200  # phase 2, the mixture: the habits that RL will select among
+    batch_size: int = 128  # problems per step
+    lr: float = 3e-3  # AdamW lr: warmup, constant in phase 1, cosine decay to 10% in phase 2
+    warmup: int = 100  # warmup steps
+    weight_decay: float = 0.01  # AdamW weight decay
+    eval_prompts: int = 50  # held-out prompts for the final metrics
+    eval_samples: int = 128  # samples per held-out prompt (pass@k for k up to this)
+    threads: int = 1  # torch CPU threads: fixes the float summation order; 1 is fastest on a busy CPU
+
+
+VARIANTS = {  # `python data.py build` builds both
+    "default": dict(out=str(EMBEDDED_MODEL), p_correct=0.25),
+    "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.04, eval_samples=512),
+}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+
+
+def tokenize_batch(tok, prompts: list[str], answers: list[str]):
+    """Right-padded prompt+answer+EOS ids (B, T) and the mask of the completion targets (B, T-1)."""
+    p_ids, a_ids = tok(prompts)["input_ids"], tok(answers)["input_ids"]
+    rows = [p + a + [tok.eos_token_id] for p, a in zip(p_ids, a_ids)]
+    T = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows])  # (B, T)
+    pos = torch.arange(T - 1)  # position t predicts token t+1: targets are the answer and EOS
+    start = torch.tensor([len(p) - 1 for p in p_ids])[:, None]  # (B, 1)
+    end = torch.tensor([len(r) - 1 for r in rows])[:, None]  # (B, 1)
+    return ids, (pos >= start) & (pos < end)  # (B, T), (B, T-1)
+
+
+@torch.no_grad()
+def sample_completions(model, tok, prompts: list[str], n: int, max_new_tokens: int, **sampling) -> list[list]:
+    """n completions per prompt with HF generate (prompts of equal length: no padding); a
+    completion that never reached EOS is None."""
+    out, chunk = [], max(1, 2048 // n)  # about 2048 rows per generate call
+    for i in range(0, len(prompts), chunk):
+        ids = tok(prompts[i : i + chunk], return_tensors="pt")["input_ids"]  # (b, Tp)
+        seqs = model.generate(ids, num_return_sequences=n, max_new_tokens=max_new_tokens, **sampling)
+        rows = seqs[:, ids.shape[1]:].tolist()  # (b*n, <=max_new_tokens), prompt-major
+        eos = tok.eos_token_id
+        out += [[tok.decode(r[: r.index(eos)]) if eos in r else None for r in rows[j : j + n]]
+                for j in range(0, len(rows), n)]
+    return out
+
+
+def evaluate(model, tok, problems: list[dict], n: int, ks: list[int], **sampling) -> dict:
+    """Held-out pass@k (unbiased, k <= n), the share of well-formed completions (digits then
+    EOS) and of samples per procedure: the slips should explain most wrong answers."""
+    comps = sample_completions(model, tok, [p["prompt"] for p in problems], n, len(problems[0]["answer"]) + 2, **sampling)
+    share = dict.fromkeys([*PROCEDURES, "other", "format_error"], 0.0)
+    n_correct = []
+    for p, cs in zip(problems, comps):
+        kinds = [classify(p["a"], p["b"], c) if c and re.fullmatch(r"[0-9]+", c) else "format_error" for c in cs]
+        n_correct.append(kinds.count("correct"))
+        for k in kinds:
+            share[k] += 1 / (n * len(problems))
+    m = {f"pass@{k}": sum(pass_at_k(n, c, k) for c in n_correct) / len(problems) for k in ks if k <= n}
+    wrong = 1 - share["correct"] - share["format_error"]
+    m.update(format_ok=1 - share["format_error"], slips_of_wrong=1 - share["other"] / max(wrong, 1e-9), share=share)
+    return m
+
+
+def warm_start(cfg: WarmStart):
+    """Train the embedded model (addition, then the mixture); return (report, model, tok) with
+    its held-out metrics. Fully seeded: the same config and threads give the same weights."""
+    import torch.nn.functional as F
+    torch.set_num_threads(cfg.threads)
+    tok = build_tokenizer()
+    model = build_model(tok, cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"warm start -> {cfg.out}: {n_params / 1e6:.3f}M params, {asdict(cfg)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.steps_addition + cfg.steps_mixture
+
+    def lr_factor(s):  # warmup then constant through phase 1; cosine decay to 10% through phase 2
+        t = max(0, s - cfg.steps_addition) / cfg.steps_mixture
+        return min((s + 1) / cfg.warmup, 0.55 + 0.45 * math.cos(math.pi * t))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    rng = random.Random(f"warmstart-{cfg.seed}")
+    lo, hi = (0 if cfg.digits == 1 else 10 ** (cfg.digits - 1)), 10**cfg.digits - 1
+    t0, losses, loss_addition = time.time(), [], None
+    for step in range(steps):
+        # From scratch the mixture is learnt far more slowly than addition alone (its loss was
+        # still ~1.3 after 1250 steps): learn the skill first, then the systematic slips.
+        p_correct = 1.0 if step < cfg.steps_addition else cfg.p_correct
+        prompts, answers = [], []
+        while len(prompts) < cfg.batch_size:  # a fresh stream of train-split problems
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            if split_of(f"{a}+{b}=") == "train":
+                prompts.append(f"{a}+{b}=")
+                answers.append(sample_answer(a, b, rng, p_correct)[1])
+        ids, mask = tokenize_batch(tok, prompts, answers)  # (B, T), (B, T-1)
+        logits = model(input_ids=ids).logits[:, :-1]  # (B, T-1, V); right padding needs no mask
+        loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])  # mean over completion tokens
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d} loss {sum(losses[-100:]) / len(losses[-100:]):.4f} {time.time() - t0:.0f}s")
+        if step == cfg.steps_addition - 1:  # addition "groks" suddenly, at a seed-dependent step
+            loss_addition = sum(losses[-50:]) / len(losses[-50:])
+            if loss_addition > 0.1:
+                print(f"WARNING: addition not learnt after phase 1 (loss {loss_addition:.3f}): raise --steps_addition")
+    train_s = time.time() - t0
+
+    model.eval()
+    held_out = arith_problems("test", cfg.eval_prompts, seed=0, digits=cfg.digits)  # seed 0: same for every build
+    ks = [1, 8, 64, 512]
+    torch.manual_seed(cfg.seed)
+    metrics = dict(  # the rollout temperature; the paper's eval sampling (PAPER.md section 4); greedy
+        temp1=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
+        temp06_top_p095=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=0.6, top_k=0, top_p=0.95),
+        greedy=evaluate(model, tok, held_out, 1, [1], do_sample=False))
+    report = dict(config=asdict(cfg), params=n_params, train_seconds=round(train_s, 1), loss_addition=loss_addition,
+                  loss_mixture=sum(losses[-100:]) / len(losses[-100:]), heldout=metrics)
+    return report, model, tok
+
+
+def save(model, tok, cfg: WarmStart, report: dict) -> None:
+    """Write model + tokenizer + generation config + warmstart.json into cfg.out, atomically."""
+    import shutil
+    from transformers import GenerationConfig
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()) and not (out / "warmstart.json").exists():
+        raise ValueError(f"--out {out}: exists and is not a warm-start directory; refusing to replace it")
+    # plain softmax sampling by default (HF would otherwise apply top_k=50), answer length + EOS
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True,
+        temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cfg.digits + 2)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def main(argv=None) -> None:
+    import inspect
+    from dataclasses import fields
+    helps = dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", inspect.getsource(WarmStart), flags=re.M))
+    ap = argparse.ArgumentParser(description="Build the embedded model(s) under assets/: python data.py build")
+    ap.add_argument("command", choices=["build"])
+    ap.add_argument("--variant", choices=["all", *VARIANTS], default="all", help="which preset(s) to build")
+    for f in fields(WarmStart):  # every field is a flag; a flag given overrides the variant's value
+        ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name))
+    args = ap.parse_args(argv)
+    names = list(VARIANTS) if args.variant == "all" else [args.variant]
+    if args.out is not None and len(names) > 1:
+        ap.error("--out needs a single --variant")
+    overrides = {f.name: getattr(args, f.name) for f in fields(WarmStart) if getattr(args, f.name) is not None}
+    for name in names:
+        cfg = WarmStart(**{**VARIANTS[name], **overrides})
+        report, model, tok = warm_start(cfg)
+        save(model, tok, cfg, report)
+        print(f"{name} -> {cfg.out} ({report['train_seconds']:.0f}s of training), held-out:")
+        for key, m in report["heldout"].items():
+            print(f"  {key:16s}", " ".join(f"{k}={v:.3f}" for k, v in m.items() if k != "share"),
+                  "| samples:", " ".join(f"{k}={v:.3f}" for k, v in m["share"].items()))
+
+
+if __name__ == "__main__":
+    main()

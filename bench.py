@@ -11,9 +11,10 @@ Parts:
   step     completions/s and peak RSS of brorl.rl_step (rollout + reward + update) with
            2 prompts x N rollouts, N in {64, 512}, 32 new tokens, the same micro-batch for both;
            one fresh subprocess per (N, repeat), so its peak RSS (VmHWM) is that configuration's own.
-           Lengths are held fixed by a tokenizer whose EOS id is -1; every response is then
-           "truncated" and scores 0, which changes the advantages' values (all 0), not the work:
-           the update still runs its forward and backward over every token.
+           Lengths are held fixed by a tokenizer whose EOS id is -1 and no EOS in the model's
+           generation_config; every response is then "truncated" and scores 0, which changes
+           the advantages' values (all 0), not the work: the update still runs its forward and
+           backward over every token.
   gpu      (CUDA only) the same two parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
@@ -186,6 +187,7 @@ def step_child(args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.model_dir, "brorl", device, dtype)
     tok = NeverEos(AutoTokenizer.from_pretrained(args.model_dir))
+    model.generation_config.eos_token_id = None  # brorl.generate stops on these ids too
     examples = [dict(e, task="arith") for e in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
     B = len(examples)
     cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,

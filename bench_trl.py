@@ -104,7 +104,7 @@ def main():
     res = dict(n=args.n, step_s=med, completions_s=gen_batch / med,
                peak_rss_mb=peak_rss_mb(),
                steps=[round(x, 2) for x in step_s], gradient_checkpointing=args.gradient_checkpointing,
-               threads=args.threads)
+               threads=torch.get_num_threads())  # as TRL left it (accelerate may change it)
     print(f"TRL GRPOTrainer N={args.n}: {res['completions_s']:.0f} completions/s, {med:.2f} s per step "
           f"({gen_batch} completions), peak RSS {res['peak_rss_mb']:.0f} MB; steps {res['steps']}")
     print("RESULT " + json.dumps(res))

@@ -5,8 +5,8 @@ brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled 
 One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL keeps):
   1. rollout     sample N completions for each prompt. Each prompt is prefilled ONCE; its N
                  rollouts decode against that single copy of its keys/values (cascade attention:
-                 shared prefix as one batched matmul, each rollout's own tokens separately, the
-                 two softmaxes merged exactly through their log-sum-exps).
+                 the shared prefix read by one batched matmul for all N rows, each rollout's own
+                 tokens separately, one exact softmax over both).
   2. reward      rule-based verifier (verify.py): 1 correct, 0 otherwise.
   3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or a cap on rounds is hit (reported).
@@ -23,8 +23,8 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
 Where this simplifies the paper:
   1. One process, one device, one engine: the trainer samples its own rollouts, so the
      sampler/trainer mismatch that truncated importance sampling corrects is absent (we log
-     max|ratio-1| on the first mini-batch of each step to prove it is 0).
-  2. The default is a toy: a ~0.5M-parameter character-level model warm-started on a mixture
+     max|ratio-1| on the first mini-batch of each step: 0 up to float rounding).
+  2. The default is a toy: a 0.62M-parameter character-level model warm-started on a mixture
      of right and systematically wrong addition procedures (data.py). RL has to select the right
      one, as RLVR selects among behaviours a real model already has.
   3. Rollouts of a step are sampled in memory-bounded chunks of prompts, not by a server.
@@ -118,7 +118,7 @@ class Config:
 # Presets are named bundles of overrides, never a second source of defaults.
 PRESETS = {
     # the correct procedure is rare in the warm start (a few percent): breadth has to find it
-    "hard": dict(model=str(data.EMBEDDED_MODEL_HARD), steps=200),
+    "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
     # the paper's recipe for a 1.5B model on one GPU (pass --model and --task math:...). Memory sets
     # max_rows (KV cache: ~28 KB a token for R1-Distill-1.5B) and micro_batch (bf16 logits: 2.5 GB
     # a row at 8k tokens x 152k vocabulary); the paper used 16k-token responses on 64 GPUs.

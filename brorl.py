@@ -305,8 +305,8 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
         tok = pick_tokens(logits, temperature, top_p, gen)  # (R,)
         tok = torch.where(done, pad_id, tok)
         tokens[:, t], mask[:, t] = tok, ~done
-        tmp = temperature if temperature > 0 else 1.0
-        logp[:, t] = token_logprobs(logits, tok.masked_fill(done, -100), tmp)  # 0 where done
+        # the log-prob of the drawn token (0 where done); greedy (T = 0) records it at T = 1
+        logp[:, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0)
         done = done | torch.isin(tok, eos_ids)
         if done.all() or t == max_new - 1:
             break

@@ -40,14 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# On a shared CPU, OpenMP threads that spin while waiting for each other are descheduled mid-spin:
-# measured here, 2 spinning threads ran the same rollout 3-7x slower than with passive waiting.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP; override freely
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-import brorl  # noqa: E402
-import data  # noqa: E402
+import brorl
+import data
+import sampler
 
 # Architectures. "tiny": the CPU bench model of the issue (~2.4M params with the 258-token byte
 # vocabulary). "0.5b": Qwen2.5-0.5B's config numbers, randomly initialised (the GPU part).
@@ -134,7 +132,7 @@ def random_prompt(length: int, seed: int) -> list:
 
 
 def run_ours(model, ids, n, new, pad_id, gen):
-    tokens, mask, _, _ = brorl.generate_group_chunk(model, [ids], n, new, 1.0, 1.0, -1, pad_id, gen)
+    tokens, mask = sampler.generate_group_chunk(model, [ids], n, new, 1.0, 1.0, -1, pad_id, gen)[:2]
     assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
     return tokens
 
@@ -153,7 +151,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
     gen = torch.Generator(device=device).manual_seed(0)
     ids = random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
-    a = brorl.generate_group_chunk(ours, [ids], 1, 16, 0.0, 1.0, -1, tok.pad_token_id, gen)[0]  # (1, 16)
+    a = sampler.generate_group_chunk(ours, [ids], 1, 16, 0.0, 1.0, -1, tok.pad_token_id, gen)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
@@ -187,7 +185,7 @@ def step_child(args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.model_dir, "brorl", device, dtype)
     tok = NeverEos(AutoTokenizer.from_pretrained(args.model_dir))
-    model.generation_config.eos_token_id = None  # brorl.generate stops on these ids too
+    model.generation_config.eos_token_id = None  # sampler.generate stops on these ids too
     examples = [dict(e, task="arith") for e in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
     B = len(examples)
     cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
@@ -252,7 +250,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
           f"prompt {prompt}, new {new}, median of {repeats}")
     for n in ns:
         ids = [random_prompt(prompt, seed=b) for b in range(samples // n)]
-        fn = lambda: brorl.generate_group_chunk(model, ids, n, new, 1.0, 1.0, -1, tok.pad_token_id, gen)
+        fn = lambda: sampler.generate_group_chunk(model, ids, n, new, 1.0, 1.0, -1, tok.pad_token_id, gen)
         fn()  # warm-up
         t = statistics.median(timed(fn)[0] for _ in range(repeats))
         print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")
@@ -283,7 +281,9 @@ def main():
     if gpu and not torch.cuda.is_available():
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False)")
     device, dtype = (torch.device("cuda"), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
-    print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads")
+    # OpenMP's wait policy moves every CPU figure (README, "Speed"): say which one this run had
+    print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         save_bench_model(path, "0.5b" if gpu else "tiny", dtype)

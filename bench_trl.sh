@@ -6,13 +6,11 @@
 #   bash bench_trl.sh 512 --steps 5   # one N, extra flags go to bench_trl.py
 #   python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with brorl
 #
-# Env: TRL_VENV (default /tmp/trl-venv), PYTHON (the project's python, default python3),
-# OMP_WAIT_POLICY (default PASSIVE, as in bench.py: spinning threads crawl on a shared CPU).
+# Env: TRL_VENV (default /tmp/trl-venv), PYTHON (the project's python, default python3).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${TRL_VENV:-/tmp/trl-venv}
 PYTHON=${PYTHON:-python3}
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"

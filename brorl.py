@@ -3,10 +3,10 @@ brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled 
 *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL keeps):
-  1. rollout     sample N completions for each prompt. Each prompt is prefilled ONCE; its N
-                 rollouts decode against that single copy of its keys/values (cascade attention:
-                 the shared prefix read by one batched matmul for all N rows, each rollout's own
-                 tokens separately, one exact softmax over both).
+  1. rollout     sample N completions for each prompt (sampler.py). Each prompt is prefilled
+                 ONCE; its N rollouts decode against that single copy of its keys/values (cascade
+                 attention: the shared prefix read by one batched matmul for all N rows, each
+                 rollout's own tokens separately, one exact softmax over both).
   2. reward      rule-based verifier (verify.py): 1 correct, 0 otherwise.
   3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or a cap on rounds is hit (reported).
@@ -22,8 +22,9 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
 
 Where this simplifies the paper:
   1. One process, one device, one engine: the trainer samples its own rollouts, so the
-     sampler/trainer mismatch that truncated importance sampling corrects is absent (we log
-     max|ratio-1| on the first mini-batch of each step: 0 up to float rounding).
+     sampler/trainer mismatch that truncated importance sampling corrects is absent. In float32
+     the sampler's log-probs serve as the old policy's (--old_logp; no second forward); we log
+     max|ratio-1| on the first mini-batch of each step: 0 up to float rounding.
   2. The default is a toy: a 0.62M-parameter character-level model warm-started on a mixture
      of right and systematically wrong addition procedures (data.py). RL has to select the right
      one, as RLVR selects among behaviours a real model already has.
@@ -40,7 +41,6 @@ Run:
 
 import argparse
 import dataclasses
-import functools
 import inspect
 import json
 import math
@@ -53,20 +53,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# On a shared CPU, OpenMP threads that spin-wait for each other get descheduled mid-spin: a
-# rollout ran 3-7x slower here than with passive waiting (bench.py). Must precede torch's import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 import data
 import verify
 from kernels import token_logprobs
+from sampler import Rollouts, cache_kwarg, generate  # importing it registers attn_implementation="brorl"
 
 # ----------------------------------------------------------------------------
 # Config: one typed source of truth; every field is a --flag, its comment is the --help
@@ -98,6 +94,9 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: changes memory, never the gradient
+    # The old policy's log-probs: the sampler's own (same weights, so they agree to ~1e-6 in fp32; saves a
+    # forward over every row) or a trainer forward (the paper's setup: needed when the numerics differ, as in bf16)
+    old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
     clip_low: float = 0.2  # PPO eps_low
     clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)
     loss_agg: str = "token"  # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean
@@ -120,11 +119,12 @@ PRESETS = {
     # the correct procedure is rare in the warm start (a few percent): breadth has to find it
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
     # the paper's recipe for a 1.5B model on one GPU (pass --model and --task math:...). Memory sets
-    # max_rows (KV cache: ~28 KB a token for R1-Distill-1.5B) and micro_batch (bf16 logits: 2.5 GB
-    # a row at 8k tokens x 152k vocabulary); the paper used 16k-token responses on 64 GPUs.
+    # max_rows (bf16 KV cache of R1-Distill-1.5B: 28 KB a token, so 256 rows x 8k tokens = 59 GB, 88 GB
+    # while the cache doubles its capacity; fp32 weights + AdamW take 24 GB) and micro_batch (bf16
+    # logits: 2.5 GB a row at 8k tokens x 152k vocabulary); the paper used 16k-token responses on 64 GPUs.
     "paper": dict(n_rollouts=512, prompts_per_step=128, max_new_tokens=8192, lr=2e-6 * math.sqrt(8),
                   n_minibatches=4, micro_batch=4, kl_coef=1e-4, ref_reset_every=200,
-                  steps=200, eval_every=25, eval_prompts=256, eval_samples=16, max_rows=512),
+                  steps=200, eval_every=25, eval_prompts=256, eval_samples=16, max_rows=256),
 }
 
 
@@ -164,6 +164,7 @@ def check_config(cfg: Config) -> str:
         (0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: need 0 < top_p <= 1"),
         (cfg.adv_norm in ("batch", "group"), f"--adv_norm {cfg.adv_norm!r}: choose batch or group"),
         (cfg.loss_agg in ("token", "sequence"), f"--loss_agg {cfg.loss_agg!r}: choose token or sequence"),
+        (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
         (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
         (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
         (cfg.dtype in ("auto", "float32", "bfloat16"), f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
@@ -174,175 +175,9 @@ def check_config(cfg: Config) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Rollouts: prefill each prompt once, decode its N rollouts against one shared copy of its KV
-#
-# A decode step of R = B*N rows attends to (a) its prompt's P keys, the same for all N rows of
-# a group, and (b) its own t generated keys. Plain generate() stores (a) N times and reads it
-# with N matrix-vector products; here (a) is stored once, shape (B, Hkv, P, D), and read with
-# one matrix-matrix product for all N rows (the "cascade" trick). The scores of (a) and (b) go
-# through one softmax, which is exact: the same as merging two partial softmaxes by their lse.
-
-
-class SharedPrefixCache:
-    """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
-    token's key/value per row) and, handed over in the attention-mask dict, tells
-    cascade_attention where the shared prefix is."""
-
-    def __init__(self, prefix_kv, prefix_len, n: int):
-        self.prefix_kv = prefix_kv  # per layer (k, v), each (B, Hkv, P, D), right-padded
-        B, Hkv, P, D = prefix_kv[0][0].shape
-        pad = torch.arange(P, device=prefix_len.device)[None, :] >= prefix_len[:, None]  # (B, P)
-        self.prefix_bias = torch.zeros(B, 1, 1, P, device=pad.device).masked_fill(pad[:, None, None], -math.inf)
-        self.n, self.t = n, 0  # rollouts per prompt; generated tokens stored so far
-        self.k = [k.new_empty(B * n, Hkv, 64, D) for k, _ in prefix_kv]  # (R, Hkv, capacity, D)
-        self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]
-
-    def update(self, k, v, layer_idx, *args, **kwargs):
-        # k, v: (R, Hkv, 1, D), the current token of every row
-        if self.t == self.k[layer_idx].shape[2]:  # full: double the capacity (amortised O(1) a token)
-            self.k[layer_idx] = torch.cat([self.k[layer_idx], torch.empty_like(self.k[layer_idx])], 2)
-            self.v[layer_idx] = torch.cat([self.v[layer_idx], torch.empty_like(self.v[layer_idx])], 2)
-        self.k[layer_idx][:, :, self.t] = k[:, :, 0]
-        self.v[layer_idx][:, :, self.t] = v[:, :, 0]
-        return self.k[layer_idx][:, :, : self.t + 1], self.v[layer_idx][:, :, : self.t + 1]
-
-
-def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Registered as the attention implementation "brorl". Decode steps (attention_mask is a
-    SharedPrefixCache) use the shared prefix; everything else is the model's usual SDPA."""
-    cache = attention_mask
-    if not isinstance(cache, SharedPrefixCache):
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("cascade decoding supports full attention only")
-    pk, pv = cache.prefix_kv[module.layer_idx]  # (B, Hkv, P, D)
-    B, Hkv, P, D = pk.shape
-    R, H = query.shape[:2]  # query (R, H, 1, D), R = B * N
-    N, G = cache.n, H // Hkv  # G query heads share one kv head (GQA)
-    # (a) shared prefix: all N rows and G heads of a group are the M = N*G rows of one matmul
-    q_a = query.view(B, N, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, D)
-    s_a = torch.matmul(q_a, pk.transpose(-1, -2)).float() * scaling + cache.prefix_bias  # (B, Hkv, N*G, P)
-    s_a = s_a.view(B, Hkv, N, G, P).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, P)
-    # (b) each row's own generated tokens, key/value (R, Hkv, t, D)
-    s_b = torch.matmul(query.view(R, Hkv, G, D), key.transpose(-1, -2)).float() * scaling  # (R, Hkv, G, t)
-    # one softmax over both parts: exact (the same as merging two partial softmaxes by their lse)
-    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
-    p_a = p[..., :P].reshape(B, N, Hkv, G, P).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, P)
-    out_a = torch.matmul(p_a, pv).view(B, Hkv, N, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, D)
-    out = out_a + torch.matmul(p[..., P:], value)  # (R, Hkv, G, D)
-    return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
-
-
-# Every model is loaded with attn_implementation="brorl": SDPA everywhere but in decode steps.
-AttentionInterface.register("brorl", cascade_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register("brorl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-
-
-def cache_kwarg(model) -> str:
-    """transformers renamed past_key_values= to cache= (5.2x); accept both."""
-    return _cache_kwarg(type(model))
-
-
-@functools.lru_cache
-def _cache_kwarg(cls) -> str:  # inspecting a signature costs ~10 ms: once per model class
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-@dataclass
-class Rollouts:
-    prompt_ids: list  # B lists of prompt token ids
-    tokens: torch.Tensor  # (B*N, T) response tokens, pad after EOS
-    mask: torch.Tensor  # (B*N, T) bool, True on response tokens (EOS included)
-    logp: torch.Tensor  # (B*N, T) the sampler's log-probs of its tokens (0 on padding)
-    truncated: torch.Tensor  # (B*N,) bool: hit max_new without EOS
-    texts: list  # B*N decoded responses, EOS stripped
-    n: int  # rollouts per prompt
-
-
-def pick_tokens(logits, temperature: float, top_p: float, gen):
-    """Sample one token per row from logits (R, V): greedy when temperature == 0."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)  # (R, V)
-    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p
-        sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    # inverse-CDF draw: ~10x faster than torch.multinomial at (512, 258) on a CPU (bench.py)
-    cdf = probs.cumsum(-1)  # (R, V)
-    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]  # (R, 1)
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)  # p = 0 never drawn
-
-
-@torch.no_grad()
-def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_id, pad_id, gen):
-    """Rollouts for a chunk of prompts: (tokens, mask, logp), each (len(prompt_ids)*n, T)."""
-    dev, cache_kw = model.device, cache_kwarg(model)
-    # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
-    per_layer, first_logits = None, []
-    for ids in prompt_ids:
-        cache = DynamicCache(config=model.config)
-        out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
-        first_logits.append(out.logits[0, -1])  # (V,)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]  # per layer (1, Hkv, P_b, D)
-        per_layer = [[x] for x in kv] if per_layer is None else [p + [x] for p, x in zip(per_layer, kv)]
-    P = max(len(ids) for ids in prompt_ids)
-    pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
-    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]), torch.cat([pad_to(v) for _, v in layer]))
-                 for layer in per_layer]  # per layer (B, Hkv, P, D)
-    prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
-    cache = SharedPrefixCache(prefix_kv, prompt_len, n)
-    masks = {t: cache for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
-
-    R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)  # one id or several
-    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (R, V), row r is prompt r // n
-    tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T)
-    logp = torch.zeros(R, max_new, device=dev)  # (R, T)
-    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,)
-    mask = torch.zeros(R, max_new, dtype=torch.bool, device=dev)  # (R, T)
-    for t in range(max_new):
-        tok = pick_tokens(logits, temperature, top_p, gen)  # (R,)
-        tok = torch.where(done, pad_id, tok)
-        tokens[:, t], mask[:, t] = tok, ~done
-        # the log-prob of the drawn token (0 where done); greedy (T = 0) records it at T = 1
-        logp[:, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0)
-        done = done | torch.isin(tok, eos_ids)
-        if done.all() or t == max_new - 1:
-            break
-        pos = (prompt_len.repeat_interleave(n) + t)[:, None]  # (R, 1) position of this token
-        out = model(tok[:, None], position_ids=pos, attention_mask=masks, **{cache_kw: cache})
-        cache.t += 1
-        logits = out.logits[:, -1]  # (R, V)
-    return tokens, mask, logp, ~done
-
-
-def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts:
-    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows."""
-    prompt_ids = [encode_prompt(tok, p) for p in prompts]
-    if n <= max_rows:  # whole groups per chunk
-        per = max_rows // n
-        jobs = [(prompt_ids[i: i + per], n) for i in range(0, len(prompt_ids), per)]
-    else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
-        jobs = [([ids], min(max_rows, n - j)) for ids in prompt_ids for j in range(0, n, max_rows)]
-    eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}  # chat models have several
-    parts = [generate_group_chunk(model, ids, rows, max_new, temperature, top_p, sorted(eos),
-                                  tok.pad_token_id, gen) for ids, rows in jobs]
-    tokens, mask, logp, truncated = (torch.cat(x) for x in zip(*parts))
-    texts = tok.batch_decode(tokens.masked_fill(~mask, tok.pad_token_id), skip_special_tokens=True)
-    return Rollouts(prompt_ids, tokens, mask, logp, truncated, texts, n)
-
-
-def listify(x) -> list:
-    return x if isinstance(x, list) else [x]
-
-
-def encode_prompt(tok, prompt: str) -> list:
-    """Token ids of a prompt; chat models get their chat template."""
-    if tok.chat_template:
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"])
-    return tok(prompt, add_special_tokens=True)["input_ids"]
+# Rollouts: sampler.generate (sampler.py) prefills each prompt once and decodes its N rollouts
+# against that one copy of its keys/values (cascade attention), returning Rollouts: tokens, mask,
+# the sampler's log-probs and entropies, truncation flags and texts, row r belonging to prompt r // N.
 
 
 # ----------------------------------------------------------------------------
@@ -393,11 +228,12 @@ def pack_groups(kept) -> dict:
     for i, (ro, g, _) in enumerate(kept):
         ids = ro.prompt_ids[g]
         prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
-    resp = torch.cat([ro.tokens[g * n: (g + 1) * n] for ro, g, _ in kept])  # (R, T_max)
-    resp_mask = torch.cat([ro.mask[g * n: (g + 1) * n] for ro, g, _ in kept])  # (R, T_max)
+    rows = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept])  # (R, T_max)
+    resp_mask = rows("mask")
     T = int(resp_mask.any(0).nonzero().max()) + 1  # drop all-padding columns
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp[:, :T],
-                resp_mask=resp_mask[:, :T], group=torch.arange(G, device=dev).repeat_interleave(n))
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens")[:, :T],
+                resp_mask=resp_mask[:, :T], group=torch.arange(G, device=dev).repeat_interleave(n),
+                sampler_logp=rows("logp")[:, :T], sampler_entropy=rows("entropy")[:, :T])
 
 
 # ----------------------------------------------------------------------------
@@ -474,6 +310,13 @@ def kl_k2(logp, ref_logp):
     return 0.5 * (logp - ref_logp).clamp(-10, 10) ** 2
 
 
+def uses_sampler_logp(cfg, device) -> bool:
+    """--old_logp auto: the sampler's log-probs in float32, where they equal a trainer forward's up to
+    rounding (tested; logged as max|ratio-1|), and a recompute under bf16 autocast, where the decode
+    and the training forward round differently."""
+    return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and not torch.is_autocast_enabled(device.type))
+
+
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     """n_minibatches optimizer steps over the batch; returns the update's metrics."""
     R = batch["resp"].shape[0]
@@ -481,8 +324,11 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # old (and reference) log-probs and the entropy metric, once, before any update
     chunks = micro(torch.arange(R, device=adv.device))
     with torch.no_grad():
-        old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
-                                                      for rows in chunks]))  # (R, T) each
+        if uses_sampler_logp(cfg, adv.device):  # same weights, no update yet: the sampler's own
+            old_logp, ent = batch["sampler_logp"], batch["sampler_entropy"]  # (R, T) each
+        else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
+            old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
+                                                          for rows in chunks]))  # (R, T) each
         ref_logp = torch.cat([response_logprobs(ref_model, batch, rows, cfg.temperature)
                               for rows in chunks]) if cfg.kl_coef > 0 else None  # (R, T)
     ent = ent[batch["resp_mask"]]
@@ -507,7 +353,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             clipped = ((ratio > 1 + cfg.clip_high) & (a > 0)) | ((ratio < 1 - cfg.clip_low) & (a < 0))
             m["clip_frac"] += (clipped & mask).sum().item()
             n_tok += mask.sum().item()
-            if k == 0:  # one engine, no update yet: ratio == 1 up to float rounding (batch shapes differ)
+            if k == 0:  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
                 m["max_ratio_dev"] = max(m["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         if not math.isfinite(norm):  # never step on a NaN/inf gradient

@@ -109,7 +109,8 @@ def _ref_rows(logits, targets, temperature, with_entropy):
         return logp, None
     with torch.no_grad():  # the entropy is a metric, no gradient
         p = logp_all.exp()  # (r, V)
-        entropy = -torch.where(p > 0, p * logp_all, 0.0).sum(-1)  # 0 log 0 = 0 at -inf logits
+        # 0 log 0 = 0 at -inf logits: the clamp makes it 0 * (-max float), not 0 * -inf = nan
+        entropy = -(p * logp_all.clamp(min=torch.finfo(compute).min)).sum(-1)
     return logp, torch.where(valid, entropy, 0.0)
 
 

@@ -25,6 +25,7 @@ import brorl  # noqa: E402
 import data  # noqa: E402
 import kernels  # noqa: E402
 import massbalance as mb  # noqa: E402
+import sampler  # noqa: E402
 import verify  # noqa: E402
 from kernels import token_logprobs, token_logprobs_ref  # noqa: E402
 from verify import extract_answer, is_equiv, reward, rewards  # noqa: E402
@@ -103,15 +104,17 @@ def test_sampler_logprobs_equal_training_forward(random_lm):
     ro = brorl.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
     batch = brorl.pack_groups([(ro, g, None) for g in range(len(PROMPTS))])
     with torch.no_grad():
-        logp = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        logp, ent = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3, with_entropy=True)
     assert logp.shape == ro.logp[:, : logp.shape[1]].shape
     torch.testing.assert_close(logp, ro.logp[:, : logp.shape[1]], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, ro.entropy[:, : ent.shape[1]], atol=2e-5, rtol=0)  # the entropy metric too
+    assert (ent[batch["resp_mask"]] > 0).all() and (ent[~batch["resp_mask"]] == 0).all()
     assert (logp[batch["resp_mask"]] < 0).all() and (logp[~batch["resp_mask"]] == 0).all()
 
 
 def test_top_p_samples_only_from_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
-    toks = brorl.pick_tokens(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    toks = sampler.pick_tokens(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
     counts = torch.bincount(toks, minlength=4).float() / 4000
     assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 reaches 0.7: tokens 2, 3 are cut
     assert abs(counts[0] - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
@@ -173,11 +176,11 @@ def test_loss_weights_sum_to_one_and_ignore_padding(agg):
         assert w[1, 0].item() == pytest.approx(1 / 3)
 
 
-def _one_update(model, batch, adv, micro_batch, kl_coef=0.0):
+def _one_update(model, batch, adv, micro_batch, kl_coef=0.0, old_logp="recompute"):
     """Parameters after one SGD step (lr 1) of update_policy: equal params <=> equal gradients.
     In float64, so that what is compared is the normaliser, not fp32 summation order."""
     m = type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double().train()
-    cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, kl_coef=kl_coef)
+    cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, kl_coef=kl_coef, old_logp=old_logp)
     ref = type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double() if kl_coef else None
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     before = [p.detach().clone() for p in m.parameters()]
@@ -196,6 +199,30 @@ def test_micro_batching_changes_memory_not_the_gradient(random_lm):
         for a, b in zip(full, part):
             assert (a - b).norm() <= 1e-6 * a.norm() + 1e-12
     assert info["max_ratio_dev"] < 1e-5  # one engine: first mini-batch ratio is exactly 1
+
+
+def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
+    """--old_logp sampler (auto's choice in float32) skips a forward over every row; the update and
+    the entropy metric must be the recompute's, up to the rounding between the two forwards."""
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(5))
+    batch = brorl.pack_groups([(ro, g, None) for g in range(3)])
+    adv = torch.randn(18, generator=torch.Generator().manual_seed(6))
+    recomputed, info_r = _one_update(model, batch, adv, micro_batch=7, old_logp="recompute")
+    reused, info_s = _one_update(model, batch, adv, micro_batch=7, old_logp="sampler")
+    for a, b in zip(recomputed, reused):
+        assert (a - b).norm() <= 1e-5 * a.norm() + 1e-12
+    assert info_s["entropy"] == pytest.approx(info_r["entropy"], rel=1e-5)
+    assert 0 < info_s["max_ratio_dev"] < 2e-5  # float64 trainer vs float32 sampler: rounding (as above)
+
+
+def test_old_logp_auto_recomputes_only_under_autocast():
+    cpu = torch.device("cpu")
+    assert brorl.uses_sampler_logp(brorl.Config(), cpu)  # float32: the sampler's log-probs
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not brorl.uses_sampler_logp(brorl.Config(), cpu)  # bf16: a trainer forward
+        assert brorl.uses_sampler_logp(brorl.Config(old_logp="sampler"), cpu)
+    assert not brorl.uses_sampler_logp(brorl.Config(old_logp="recompute"), cpu)
 
 
 # ----------------------------------------------------------------------------
@@ -277,6 +304,7 @@ def run_in_process(capsys, *args):
     (["--n_rollouts", "1"], "--n_rollouts 1: need N >= 2"),
     (["--model", "./does/not/exist"], "--model ./does/not/exist: no such directory"),
     (["--adv_norm", "median"], "--adv_norm 'median'"),
+    (["--old_logp", "trainer"], "--old_logp 'trainer': choose auto, sampler, recompute"),
     (["--preset", "nope"], "--preset 'nope': unknown"),
     (["--task", "math:/nonexistent.jsonl"], "--task math:/nonexistent.jsonl"),
 ])

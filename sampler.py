@@ -1,0 +1,203 @@
+"""
+sampler.py: brorl's rollout engine. N rollouts for each of B prompts, where each prompt is
+prefilled ONCE and its N rollouts decode against that single copy of its keys and values.
+
+Why: with N = 512 rollouts of one prompt, model.generate(num_return_sequences=N) prefills the
+same prompt N times, stores its keys/values N times, and at every decode step reads them with N
+matrix-vector products. Here a decode step of R = B*N rows attends to
+  (a) its prompt's P keys, the same for all N rows of a group: stored once, (B, Hkv, P, D), and
+      read with ONE matrix-matrix product for all N rows and all query heads of a kv head;
+  (b) its own t generated keys, (R, Hkv, t, D), read per row.
+The scores of (a) and (b) go through one softmax, which is exact: the same as merging two
+partial softmaxes by their log-sum-exps (the "cascade" trick of FlashInfer / Hydragen).
+
+Any Hugging Face decoder with full attention works: importing this module registers the
+attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
+AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
+
+    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts
+"""
+
+import functools
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from kernels import token_logprobs
+
+
+class SharedPrefixCache:
+    """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
+    token's key/value per row) and, handed over in the attention-mask dict, tells
+    cascade_attention where the shared prefix is."""
+
+    def __init__(self, prefix_kv, prefix_len, n: int):
+        self.prefix_kv = prefix_kv  # per layer (k, v), each (B, Hkv, P, D), right-padded
+        B, Hkv, P, D = prefix_kv[0][0].shape
+        pad = torch.arange(P, device=prefix_len.device)[None, :] >= prefix_len[:, None]  # (B, P)
+        # -inf on the padding of shorter prompts; None when there is none (one prompt, equal lengths)
+        self.prefix_bias = (torch.zeros(B, 1, 1, P, device=pad.device).masked_fill(pad[:, None, None], -math.inf)
+                            if pad.any() else None)  # (B, 1, 1, P)
+        self.n, self.t = n, 0  # rollouts per prompt; generated tokens stored so far
+        self.k = [k.new_empty(B * n, Hkv, 64, D) for k, _ in prefix_kv]  # (R, Hkv, capacity, D)
+        self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]
+
+    def update(self, k, v, layer_idx, *args, **kwargs):
+        # k, v: (R, Hkv, 1, D), the current token of every row
+        if self.t == self.k[layer_idx].shape[2]:  # full: double the capacity (amortised O(1) a token)
+            self.k[layer_idx] = torch.cat([self.k[layer_idx], torch.empty_like(self.k[layer_idx])], 2)
+            self.v[layer_idx] = torch.cat([self.v[layer_idx], torch.empty_like(self.v[layer_idx])], 2)
+        self.k[layer_idx][:, :, self.t] = k[:, :, 0]
+        self.v[layer_idx][:, :, self.t] = v[:, :, 0]
+        return self.k[layer_idx][:, :, : self.t + 1], self.v[layer_idx][:, :, : self.t + 1]
+
+
+def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Registered as the attention implementation "brorl". Decode steps (attention_mask is a
+    SharedPrefixCache) use the shared prefix; everything else is the model's usual SDPA."""
+    cache = attention_mask
+    if not isinstance(cache, SharedPrefixCache):
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise NotImplementedError("cascade decoding supports full attention only")
+    pk, pv = cache.prefix_kv[module.layer_idx]  # (B, Hkv, P, D)
+    B, Hkv, P, D = pk.shape
+    R, H = query.shape[:2]  # query (R, H, 1, D), R = B * N
+    N, G = cache.n, H // Hkv  # G query heads share one kv head (GQA)
+    query = query * scaling  # scaled once here rather than both score tensors
+    # (a) shared prefix: all N rows and G heads of a group are the M = N*G rows of one matmul
+    q_a = query.view(B, N, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, D)
+    s_a = torch.matmul(q_a, pk.transpose(-1, -2)).float()  # (B, Hkv, N*G, P)
+    if cache.prefix_bias is not None:
+        s_a = s_a + cache.prefix_bias
+    s_a = s_a.view(B, Hkv, N, G, P).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, P)
+    # (b) each row's own generated tokens, key/value (R, Hkv, t, D)
+    s_b = torch.matmul(query.view(R, Hkv, G, D), key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
+    # one softmax over both parts: exact (the same as merging two partial softmaxes by their lse)
+    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
+    p_a = p[..., :P].reshape(B, N, Hkv, G, P).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, P)
+    out_a = torch.matmul(p_a, pv).view(B, Hkv, N, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, D)
+    out = out_a + torch.matmul(p[..., P:], value)  # (R, Hkv, G, D)
+    return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
+
+
+# Every model is loaded with attn_implementation="brorl": SDPA everywhere but in decode steps.
+AttentionInterface.register("brorl", cascade_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register("brorl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def cache_kwarg(model) -> str:
+    """transformers renamed past_key_values= to cache= (5.2x); accept both."""
+    return _cache_kwarg(type(model))
+
+
+@functools.lru_cache
+def _cache_kwarg(cls) -> str:  # inspecting a signature costs ~10 ms: once per model class
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: list  # B lists of prompt token ids
+    tokens: torch.Tensor  # (B*N, T) response tokens, pad after EOS
+    mask: torch.Tensor  # (B*N, T) bool, True on response tokens (EOS included)
+    logp: torch.Tensor  # (B*N, T) the sampler's log-probs of its tokens (0 on padding)
+    entropy: torch.Tensor  # (B*N, T) entropy of the tempered next-token distribution (0 on padding)
+    truncated: torch.Tensor  # (B*N,) bool: hit max_new without EOS
+    texts: list  # B*N decoded responses, EOS stripped
+    n: int  # rollouts per prompt
+
+
+def pick_tokens(logits, temperature: float, top_p: float, gen):
+    """Sample one token per row from logits (R, V): greedy when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)  # (R, V)
+    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p
+        sorted_p, idx = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
+    # inverse-CDF draw: ~10x faster than torch.multinomial at (512, 258) on a CPU (bench.py)
+    cdf = probs.cumsum(-1)  # (R, V)
+    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]  # (R, 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[1] - 1)  # p = 0 never drawn
+
+
+@torch.no_grad()
+def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_id, pad_id, gen):
+    """Rollouts for a chunk of prompts: (tokens, mask, logp, entropy, truncated), the first four
+    (len(prompt_ids)*n, T), the last (len(prompt_ids)*n,)."""
+    dev, cache_kw = model.device, cache_kwarg(model)
+    # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
+    per_layer, first_logits = None, []
+    for ids in prompt_ids:
+        cache = DynamicCache(config=model.config)
+        out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
+        first_logits.append(out.logits[0, -1])  # (V,)
+        kv = [(layer.keys, layer.values) for layer in cache.layers]  # per layer (1, Hkv, P_b, D)
+        per_layer = [[x] for x in kv] if per_layer is None else [p + [x] for p, x in zip(per_layer, kv)]
+    P = max(len(ids) for ids in prompt_ids)
+    pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
+    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]), torch.cat([pad_to(v) for _, v in layer]))
+                 for layer in per_layer]  # per layer (B, Hkv, P, D)
+    prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
+    cache = SharedPrefixCache(prefix_kv, prompt_len, n)
+    masks = {t: cache for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+
+    R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)  # one id or several
+    row_start = prompt_len.repeat_interleave(n)[:, None]  # (R, 1) position of each row's first new token
+    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (R, V), row r is prompt r // n
+    tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T)
+    logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)  # (R, T)
+    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,)
+    mask = torch.zeros(R, max_new, dtype=torch.bool, device=dev)  # (R, T)
+    for t in range(max_new):
+        tok = pick_tokens(logits, temperature, top_p, gen)  # (R,)
+        tok = torch.where(done, pad_id, tok)
+        tokens[:, t], mask[:, t] = tok, ~done
+        # the drawn token's log-prob and the distribution's entropy (0 where done), through the
+        # trainer's kernel at the trainer's temperature; greedy (T = 0) records them at T = 1
+        logp[:, t], entropy[:, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0,
+                                                   with_entropy=True)
+        done = done | torch.isin(tok, eos_ids)
+        if done.all() or t == max_new - 1:
+            break
+        out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks, **{cache_kw: cache})
+        cache.t += 1
+        logits = out.logits[:, -1]  # (R, V)
+    return tokens, mask, logp, entropy, ~done
+
+
+def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts:
+    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows."""
+    prompt_ids = [encode_prompt(tok, p) for p in prompts]
+    if n <= max_rows:  # whole groups per chunk
+        per = max_rows // n
+        jobs = [(prompt_ids[i: i + per], n) for i in range(0, len(prompt_ids), per)]
+    else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
+        jobs = [([ids], min(max_rows, n - j)) for ids in prompt_ids for j in range(0, n, max_rows)]
+    eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}  # chat models have several
+    parts = [generate_group_chunk(model, ids, rows, max_new, temperature, top_p, sorted(eos),
+                                  tok.pad_token_id, gen) for ids, rows in jobs]
+    tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))
+    texts = tok.batch_decode(tokens.masked_fill(~mask, tok.pad_token_id), skip_special_tokens=True)
+    return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
+
+
+def listify(x) -> list:
+    return x if isinstance(x, list) else [x]
+
+
+def encode_prompt(tok, prompt: str) -> list:
+    """Token ids of a prompt; chat models get their chat template."""
+    if tok.chat_template:
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+    return tok(prompt, add_special_tokens=True)["input_ids"]

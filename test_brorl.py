@@ -96,6 +96,10 @@ def test_chunked_decoding_equals_one_chunk(random_lm):
     a = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 4096, torch.Generator())
     b = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 2, torch.Generator())  # one prompt per chunk
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
+    # N > max_rows: a group's rows are split into parts of 2, 2, 1, each re-prefilling its prompt
+    c = brorl.generate(model, tok, PROMPTS, 5, 6, 0.0, 1.0, 2, torch.Generator())
+    assert torch.equal(c.tokens, a.tokens.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1).reshape(-1, 6))
+    torch.testing.assert_close(c.logp.view(len(PROMPTS), 5, -1), a.logp.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1))
 
 
 def test_sampler_logprobs_equal_training_forward(random_lm):

@@ -512,9 +512,11 @@ def test_load_task_errors(task, split, kw, match):
 # ============================================================================
 
 FP32_TOL = 1e-5  # fp32 accumulation over <= 50k columns: observed errors are ~2e-6
+# where the kernel tests run: on a GPU the compiled kernel, on a CPU the interpreter
+KDEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _inputs(lead, V, dtype, seed, n_ignored=1):
+def _inputs(lead, V, dtype, seed, n_ignored=1, device=KDEV):
     """Random logits (*lead, V) ~ 4 * randn in dtype, targets (*lead) with n_ignored -100s,
     and an upstream gradient (*lead) so that every row's gradient is scaled differently."""
     gen = torch.Generator().manual_seed(seed)
@@ -522,7 +524,7 @@ def _inputs(lead, V, dtype, seed, n_ignored=1):
     t = torch.randint(0, V, lead, generator=gen)
     t.view(-1)[torch.randperm(t.numel(), generator=gen)[:n_ignored]] = -100
     g = torch.randn(lead, generator=gen)
-    return x, t, g
+    return x.to(device), t.to(device), g.to(device)
 
 
 def _run(x, t, g, temperature, backend):
@@ -579,7 +581,7 @@ def test_reference_matches_float64(monkeypatch):
 
 
 def test_auto_backend_on_cpu_is_the_reference():
-    x, t, g = _inputs((4,), 300, torch.bfloat16, seed=1)
+    x, t, g = _inputs((4,), 300, torch.bfloat16, seed=1, device="cpu")
     expected = _run(x, t, g, 1.3, "torch")
     for a, b in zip(_run(x, t, g, 1.3, "auto"), expected):
         assert torch.equal(a, b)
@@ -685,7 +687,7 @@ def test_kernel_offsets_past_2_to_31():
     # out of bounds: in the interpreter, a segmentation fault.
     V, stride = 1000, 2**30 + 17
     try:
-        big = torch.empty(2 * stride + V, dtype=torch.bfloat16)
+        big = torch.empty(2 * stride + V, dtype=torch.bfloat16, device=KDEV)
     except RuntimeError:
         pytest.skip("cannot reserve 4 GiB of address space")
     x = big.as_strided((3, V), (stride, 1))  # (3, V), rows 2^30 + 17 elements apart
@@ -702,15 +704,22 @@ def test_kernel_allocates_no_fp32_copy():
     # gradient (R, V) and a few (R,) vectors, nothing else (counted by the torch profiler)
     x, t, g = _inputs((64,), 2000, torch.bfloat16, seed=10)
     x.requires_grad_()
-    peak = kernels._cpu_peak_bytes(lambda: (token_logprobs(x, t, backend="triton") * g).sum()
-                                   .backward())
+    fwd_bwd = lambda: (token_logprobs(x, t, backend="triton") * g).sum().backward()
+    if KDEV == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = kernels._cpu_peak_bytes(fwd_bwd)
     assert x.grad.numel() * 2 <= peak <= x.grad.numel() * 2 + 64 * 1024
 
 
 def test_empty_input():
     for backend in ("triton", "torch"):
-        x = torch.randn(0, 3, 7, requires_grad=True)
-        logp = token_logprobs(x, torch.zeros(0, 3, dtype=torch.long), backend=backend)
+        x = torch.randn(0, 3, 7, device=KDEV, requires_grad=True)
+        logp = token_logprobs(x, torch.zeros(0, 3, dtype=torch.long, device=KDEV), backend=backend)
         logp.sum().backward()
         assert logp.shape == (0, 3) and x.grad.shape == x.shape
 

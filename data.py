@@ -15,8 +15,9 @@ short supervised run in two phases: (1) correct additions only, which teaches th
 of four systematic slips (a+b+1, a+b-1, every carry forgotten, the final carry forgotten). The
 model then samples the right procedure about p_correct of the time on unseen problems, the
 slips most of the rest: pass@1 low, pass@k high. RL has to find and amplify the right mode,
-which is what RLVR does to a real model. The hard variant makes the right mode rare (a few
-percent), which is where breadth (many rollouts per prompt, large N) should matter.
+which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips a+b+1, a+b-1
+and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
+where breadth (many rollouts per prompt, large N) should matter.
 Math tasks ("math:<file or hub id>") are held out the same way, by a hash of the problem text.
 
 The embedded model: a Qwen2ForCausalLM (GQA: 4 query heads, 2 key/value heads, ~0.6M params)
@@ -93,16 +94,25 @@ PROCEDURES = {
     "minus_one": lambda a, b: a + b - 1,  # off by one, down
     "no_carry": _no_carry,  # forgets every carry
     "drop_carry": lambda a, b: (a + b) % 10 ** len(str(max(a, b))),  # forgets only the final carry
+    "copy_first": lambda a, b: a,  # answers with an operand instead of the sum
+    "copy_second": lambda a, b: b,
 }
+SLIPS = "plus_one,minus_one,no_carry,drop_carry"  # the default mixture's wrong procedures
+# The hard mixture's. Carry slips agree with the sum on the digits where nothing carries, and a
+# model mixes slips digit by digit (a plus_one prefix + a no_carry last digit can be the sum):
+# with SLIPS the right answer stayed near 10% of samples whatever p_correct. An operand copied
+# differs from the sum in its first digit, so with these the right mode can be made rare.
+HARD_SLIPS = "plus_one,minus_one,copy_first,copy_second"
 
 
-def sample_answer(a: int, b: int, rng: random.Random, p_correct: float) -> tuple[str, str]:
-    """(procedure, answer) from the mixture. A slip that happens to give the right answer on this
+def sample_answer(a: int, b: int, rng: random.Random, p_correct: float, slips: str = SLIPS) -> tuple[str, str]:
+    """(procedure, answer) from the mixture: correct with probability p_correct, else one of the
+    comma-separated `slips`, uniformly. A slip that happens to give the right answer on this
     problem (no_carry when nothing carries) is not drawn, so an answer is correct with
     probability exactly p_correct."""
     if rng.random() < p_correct:
         return "correct", str(a + b)
-    wrong = [k for k, f in PROCEDURES.items() if k != "correct" and f(a, b) != a + b]
+    wrong = [k for k in slips.split(",") if PROCEDURES[k](a, b) != a + b]
     name = rng.choice(wrong)
     return name, str(PROCEDURES[name](a, b))
 
@@ -234,6 +244,7 @@ def build_model(tok, seed: int):
 class WarmStart:
     out: str = str(EMBEDDED_MODEL)  # output directory (Hugging Face format)
     p_correct: float = 0.25  # probability that a mixture answer is the correct one
+    slips: str = SLIPS  # the mixture's wrong procedures (names in PROCEDURES), drawn uniformly
     seed: int = 0  # seeds the init, the problems, the mixture draws and the eval sampling
     digits: int = 3  # digits per operand
     steps_addition: int = 800  # phase 1, correct answers only: the skill (addition groks at ~600-800)
@@ -246,10 +257,14 @@ class WarmStart:
     eval_samples: int = 128  # samples per held-out prompt (pass@k for k up to this)
     threads: int = 1  # torch CPU threads: 1 keeps the summation order in one process; fastest on a busy CPU
 
+    def __post_init__(self):
+        if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
+            raise ValueError(f"--slips: unknown {bad}; choose among {[k for k in PROCEDURES if k != 'correct']}")
+
 
 VARIANTS = {  # `python data.py build` builds both
     "default": dict(out=str(EMBEDDED_MODEL), p_correct=0.25),
-    "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.04, eval_samples=512),
+    "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.02, slips=HARD_SLIPS, eval_samples=512),
 }
 
 
@@ -332,7 +347,7 @@ def warm_start(cfg: WarmStart):
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)
             if split_of(f"{a}+{b}=") == "train":
                 prompts.append(f"{a}+{b}=")
-                answers.append(sample_answer(a, b, rng, p_correct)[1])
+                answers.append(sample_answer(a, b, rng, p_correct, cfg.slips)[1])
         ids, mask = tokenize_batch(tok, prompts, answers)  # (B, T), (B, T-1)
         logits = model(input_ids=ids).logits[:, :-1]  # (B, T-1, V); right padding needs no mask
         loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])  # mean over completion tokens

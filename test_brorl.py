@@ -378,17 +378,21 @@ def test_arith_small_space_is_enumerated():
         data.load_task("arith", "test", n=n_test + 1, digits=1)
 
 
-def test_mixture_is_exact_and_systematic():
+@pytest.mark.parametrize("slips", [data.SLIPS, data.HARD_SLIPS])
+def test_mixture_is_exact_and_systematic(slips):
     rng, p = random.Random(0), 0.3
-    draws = [(a, b, *data.sample_answer(a, b, rng, p)) for a, b in
+    draws = [(a, b, *data.sample_answer(a, b, rng, p, slips)) for a, b in
              ((rng.randint(100, 999), rng.randint(100, 999)) for _ in range(20_000))]
     correct = sum(ans == str(a + b) for a, b, _, ans in draws) / len(draws)
     assert abs(correct - p) < 4 * math.sqrt(p * (1 - p) / len(draws))  # exactly p_correct, up to noise
     for a, b, name, ans in draws:
         assert (name == "correct") == (ans == str(a + b))  # a wrong procedure never hits gold
-        assert data.classify(a, b, ans) in (name, "correct", "plus_one", "minus_one", "no_carry", "drop_carry")
-    assert {name for *_, name, _ in draws} == set(data.PROCEDURES)
+        assert data.PROCEDURES[data.classify(a, b, ans)](a, b) == int(ans)  # classify names a procedure that gives it
+    assert {name for *_, name, _ in draws} == {"correct", *slips.split(",")}  # the named slips, only them
     assert data.PROCEDURES["no_carry"](456, 789) == 135 and data.PROCEDURES["drop_carry"](456, 789) == 245
+    assert data.PROCEDURES["copy_first"](456, 789) == 456 and data.PROCEDURES["copy_second"](456, 789) == 789
+    with pytest.raises(ValueError, match="--slips: unknown \\['forgot'\\]"):
+        data.WarmStart(slips="plus_one,forgot")
 
 
 def test_pass_at_k_matches_brute_force():

@@ -33,7 +33,7 @@ Where this simplifies the paper:
 
 Run:
   python brorl.py                              # embedded tiny model + task, CPU, a few minutes
-  python brorl.py --preset hard                # the correct procedure is rare: breadth matters
+  python brorl.py --preset hard                # the correct procedure is rare (~3% of samples)
   python brorl.py --preset paper --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B \
       --task math:agentica-org/DeepScaleR-Preview-Dataset           # the real job, one GPU
   python brorl.py --help                       # every flag
@@ -116,7 +116,7 @@ class Config:
 
 # Presets are named bundles of overrides, never a second source of defaults.
 PRESETS = {
-    # the correct procedure is rare in the warm start (a few percent): breadth has to find it
+    # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
     # the paper's recipe for a 1.5B model on one GPU (pass --model and --task math:...). Memory sets
     # max_rows (bf16 KV cache of R1-Distill-1.5B: 28 KB a token, so 256 rows x 8k tokens = 59 GB, 88 GB

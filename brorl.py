@@ -94,8 +94,8 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: changes memory, never the gradient
-    # The old policy's log-probs: the sampler's own (same weights, so they agree to ~1e-6 in fp32; saves a
-    # forward over every row) or a trainer forward (the paper's setup: needed when the numerics differ, as in bf16)
+    # The old policy's log-probs: the sampler's own (same weights: in fp32 they agree with a trainer forward up
+    # to rounding; saves a forward over every row) or a trainer forward (the paper's setup, needed in bf16)
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
     clip_low: float = 0.2  # PPO eps_low
     clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)

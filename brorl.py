@@ -310,11 +310,13 @@ def kl_k2(logp, ref_logp):
     return 0.5 * (logp - ref_logp).clamp(-10, 10) ** 2
 
 
-def uses_sampler_logp(cfg, device) -> bool:
-    """--old_logp auto: the sampler's log-probs in float32, where they equal a trainer forward's up to
-    rounding (tested; logged as max|ratio-1|), and a recompute under bf16 autocast, where the decode
-    and the training forward round differently."""
-    return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and not torch.is_autocast_enabled(device.type))
+def uses_sampler_logp(cfg, model) -> bool:
+    """--old_logp auto: the sampler's log-probs when the forward runs in float32 (fp32 weights, no
+    autocast), where they equal a trainer forward's up to rounding (tested; logged as max|ratio-1|);
+    a recompute in bf16, where the decode and the training forward round differently."""
+    w = next(model.parameters())
+    fp32 = w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type)
+    return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and fp32)
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
@@ -324,7 +326,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # old (and reference) log-probs and the entropy metric, once, before any update
     chunks = micro(torch.arange(R, device=adv.device))
     with torch.no_grad():
-        if uses_sampler_logp(cfg, adv.device):  # same weights, no update yet: the sampler's own
+        if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
             old_logp, ent = batch["sampler_logp"], batch["sampler_entropy"]  # (R, T) each
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
             old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)

@@ -220,13 +220,14 @@ def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
     assert 0 < info_s["max_ratio_dev"] < 2e-5  # float64 trainer vs float32 sampler: rounding (as above)
 
 
-def test_old_logp_auto_recomputes_only_under_autocast():
-    cpu = torch.device("cpu")
-    assert brorl.uses_sampler_logp(brorl.Config(), cpu)  # float32: the sampler's log-probs
+def test_old_logp_auto_recomputes_unless_the_forward_is_float32():
+    fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16()
+    assert brorl.uses_sampler_logp(brorl.Config(), fp32)  # float32: the sampler's log-probs
+    assert not brorl.uses_sampler_logp(brorl.Config(), bf16)  # bf16 weights: a trainer forward
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not brorl.uses_sampler_logp(brorl.Config(), cpu)  # bf16: a trainer forward
-        assert brorl.uses_sampler_logp(brorl.Config(old_logp="sampler"), cpu)
-    assert not brorl.uses_sampler_logp(brorl.Config(old_logp="recompute"), cpu)
+        assert not brorl.uses_sampler_logp(brorl.Config(), fp32)  # bf16 autocast: a trainer forward
+        assert brorl.uses_sampler_logp(brorl.Config(old_logp="sampler"), fp32)
+    assert not brorl.uses_sampler_logp(brorl.Config(old_logp="recompute"), fp32)
 
 
 # ----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ Parts:
            model.generate(num_return_sequences=N) at (N, prompt, new) = (512, 16, 32) and
            (512, 256, 64). Ours runs with eos_id=-1 (no token equals it, so it never stops);
            generate with min_new_tokens=max_new_tokens. Same sampling: T=1, top_p=1, top_k off.
+  varlen   the same two samplers when lengths vary (EOS made likelier; N=512, prompt 64, up to 128
+           new): ours drops finished rows, generate decodes them as padding. Real tokens/s.
   step     completions/s and peak RSS of brorl.rl_step (rollout + reward + update) with
            2 prompts x N rollouts, N in {64, 512}, 32 new tokens, the same micro-batch for both;
            one fresh subprocess per (N, repeat), so its peak RSS (VmHWM) is that configuration's own.
@@ -15,7 +17,7 @@ Parts:
            generation_config; every response is then "truncated" and scores 0, which changes
            the advantages' values (all 0), not the work: the update still runs its forward and
            backward over every token.
-  gpu      (CUDA only) the same two parts in bf16 on a randomly initialised model with
+  gpu      (CUDA only) the same three parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
 
@@ -239,6 +241,37 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
     return med
 
 
+def bench_varlen(path, device, dtype, repeats, tok, n=512, prompt=64, new=128, eos_push=3.0):
+    """Rollouts of varied length (EOS made likelier: lengths ~geometric, capped at `new`): our
+    sampler drops finished rows (SharedPrefixCache.keep); generate keeps decoding them as padding.
+    Real tokens per second, each path's own EOS draws."""
+    models = [load_model(path, attn, device, dtype) for attn in ("brorl", "sdpa")]
+    ids = random_prompt(prompt, seed=1)
+    with torch.no_grad():  # push EOS's (tied) output row along the prompt's mean final hidden state
+        h = models[0].model(torch.tensor([ids], device=device)).last_hidden_state[0].mean(0)
+        for m in models:
+            m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.tensor([ids], device=device)
+    contenders = {
+        "brorl": lambda: sampler.generate_group_chunk(models[0], [ids], n, new, 1.0, 1.0, [tok.eos_token_id],
+                                                      tok.pad_token_id, gen)[1].sum(),  # mask: real tokens
+        "generate": lambda: (models[1].generate(x, attention_mask=torch.ones_like(x), do_sample=True,
+                                                num_return_sequences=n, max_new_tokens=new, temperature=1.0,
+                                                top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id,
+                                                eos_token_id=tok.eos_token_id)[:, prompt:] != tok.pad_token_id).sum()}
+    rates, lengths = {k: [] for k in contenders}, {k: [] for k in contenders}
+    for _ in range(repeats):  # interleaved: A B A B ...
+        for k, fn in contenders.items():
+            dt, n_tok = timed(fn)
+            rates[k].append(int(n_tok) / dt)
+            lengths[k].append(int(n_tok) / n)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"\n== varied lengths: N={n}, prompt {prompt}, up to {new} new, real tokens/s, median of {repeats}")
+    print(f"brorl {med['brorl']:.0f} | generate {med['generate']:.0f} | {med['brorl'] / med['generate']:.2f}x"
+          f"   (mean length: brorl {statistics.mean(lengths['brorl']):.1f}, generate {statistics.mean(lengths['generate']):.1f})")
+
+
 # ----------------------------------------------------------------------------
 # Part 3 (GPU): samples/s as N grows at a fixed number of samples per step
 
@@ -258,7 +291,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
 
 def main():
     ap = argparse.ArgumentParser(description="brorl speed benchmark (issue 6)")
-    ap.add_argument("--part", default="all", choices=["sampler", "step", "all", "gpu"])
+    ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
@@ -290,6 +323,8 @@ def main():
         tok = AutoTokenizer.from_pretrained(path)
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, SAMPLER_CASES, args.repeats, tok)
+        if args.part in ("varlen", "all", "gpu"):
+            bench_varlen(path, device, dtype, args.repeats, tok)
         if args.part in ("step", "all", "gpu"):
             trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
             bench_step(path, [64, 512], 32, args.micro_batch, args.steps, args.repeats, args.threads, trl)

@@ -4,12 +4,15 @@ prefilled ONCE and its N rollouts decode against that single copy of its keys an
 
 Why: with N = 512 rollouts of one prompt, model.generate(num_return_sequences=N) prefills the
 same prompt N times, stores its keys/values N times, and at every decode step reads them with N
-matrix-vector products. Here a decode step of R = B*N rows attends to
-  (a) its prompt's P keys, the same for all N rows of a group: stored once, (B, Hkv, P, D), and
-      read with ONE matrix-matrix product for all N rows and all query heads of a kv head;
+matrix-vector products. Here a decode step of R <= B*N rows attends to
+  (a) its prompt's P keys, the same for all N rows of a group: stored once, all B prompts side by
+      side (Hkv, B*P, D), and read with ONE matrix-matrix product per kv head for all rows and
+      query heads (a bias keeps each row's own prompt);
   (b) its own t generated keys, (R, Hkv, t, D), read per row.
 The scores of (a) and (b) go through one softmax, which is exact: the same as merging two
 partial softmaxes by their log-sum-exps (the "cascade" trick of FlashInfer / Hydragen).
+Rows that finish are dropped once an eighth of them has (SharedPrefixCache.keep), so a long
+rollout does not keep the short ones' rows decoding padding, as generate() does.
 
 Any Hugging Face decoder with full attention works: importing this module registers the
 attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
@@ -35,18 +38,34 @@ from kernels import token_logprobs
 class SharedPrefixCache:
     """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
     token's key/value per row) and, handed over in the attention-mask dict, tells
-    cascade_attention where the shared prefix is."""
+    cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep())."""
 
     def __init__(self, prefix_kv, prefix_len, n: int):
-        self.prefix_kv = prefix_kv  # per layer (k, v), each (B, Hkv, P, D), right-padded
         B, Hkv, P, D = prefix_kv[0][0].shape
-        pad = torch.arange(P, device=prefix_len.device)[None, :] >= prefix_len[:, None]  # (B, P)
-        # -inf on the padding of shorter prompts; None when there is none (one prompt, equal lengths)
-        self.prefix_bias = (torch.zeros(B, 1, 1, P, device=pad.device).masked_fill(pad[:, None, None], -math.inf)
-                            if pad.any() else None)  # (B, 1, 1, P)
-        self.n, self.t = n, 0  # rollouts per prompt; generated tokens stored so far
+        side_by_side = lambda x: x.transpose(0, 1).reshape(Hkv, B * P, D)  # (B, Hkv, P, D) -> (Hkv, B*P, D)
+        self.prefix_kv = [(side_by_side(k), side_by_side(v)) for k, v in prefix_kv]  # per layer, all prompts
+        self.P, self.prefix_len = P, prefix_len  # (B,) true prompt lengths (prompts are right-padded to P)
+        self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)  # (R,) prompt of each row
+        self.t = 0  # generated tokens stored so far
         self.k = [k.new_empty(B * n, Hkv, 64, D) for k, _ in prefix_kv]  # (R, Hkv, capacity, D)
         self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]
+        self._set_bias()
+
+    def _set_bias(self):
+        """prefix_bias (R, 1, 1, B*P): 0 on the row's own prompt, -inf on the other prompts and on
+        padding; None when there is nothing to hide (one prompt, no padding)."""
+        B = len(self.prefix_len)
+        col = torch.arange(B * self.P, device=self.row_group.device)  # (B*P,)
+        own = (col // self.P == self.row_group[:, None]) & (col % self.P < self.prefix_len[self.row_group, None])
+        self.prefix_bias = None if own.all() else torch.zeros(own.shape, device=own.device).masked_fill(
+            ~own, -math.inf)[:, None, None]  # (R, 1, 1, B*P)
+
+    def keep(self, rows):
+        """Drop every row but `rows` (indices into the current rows): finished rollouts stop costing."""
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        self.row_group = self.row_group[rows]
+        self._set_bias()
 
     def update(self, k, v, layer_idx, *args, **kwargs):
         # k, v: (R, Hkv, 1, D), the current token of every row
@@ -60,31 +79,32 @@ class SharedPrefixCache:
 
 def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Registered as the attention implementation "brorl". Decode steps (attention_mask is a
-    SharedPrefixCache) use the shared prefix; everything else is the model's usual SDPA."""
+    SharedPrefixCache) use the shared prefixes; everything else is the model's usual SDPA."""
     cache = attention_mask
     if not isinstance(cache, SharedPrefixCache):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("cascade decoding supports full attention only")
-    pk, pv = cache.prefix_kv[module.layer_idx]  # (B, Hkv, P, D)
-    B, Hkv, P, D = pk.shape
-    R, H = query.shape[:2]  # query (R, H, 1, D), R = B * N
-    N, G = cache.n, H // Hkv  # G query heads share one kv head (GQA)
-    query = query * scaling  # scaled once here rather than both score tensors
-    # (a) shared prefix: all N rows and G heads of a group are the M = N*G rows of one matmul
-    q_a = query.view(B, N, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, D)
-    s_a = torch.matmul(q_a, pk.transpose(-1, -2)).float()  # (B, Hkv, N*G, P)
+    pk, pv = cache.prefix_kv[module.layer_idx]  # (Hkv, B*P, D): every prompt of the chunk, stored once
+    Hkv, BP, D = pk.shape
+    R, H = query.shape[:2]  # query (R, H, 1, D), R rows still decoding
+    G = H // Hkv  # G query heads share one kv head (GQA)
+    q = (query * scaling).view(R, Hkv, G, D)  # scaled once here rather than both score tensors
+    # (a) the prefixes: for each kv head ONE matmul, all R rows x G heads against all B prompts' keys
+    # (B x the FLOPs of reading only the own prompt, but one pass over the prefix memory, and rows
+    # may come and go); the bias keeps each row's own prompt
+    s_a = torch.matmul(q.transpose(0, 1).reshape(Hkv, R * G, D), pk.transpose(-1, -2)).float()  # (Hkv, R*G, B*P)
+    s_a = s_a.view(Hkv, R, G, BP).transpose(0, 1)  # (R, Hkv, G, B*P)
     if cache.prefix_bias is not None:
         s_a = s_a + cache.prefix_bias
-    s_a = s_a.view(B, Hkv, N, G, P).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, P)
     # (b) each row's own generated tokens, key/value (R, Hkv, t, D)
-    s_b = torch.matmul(query.view(R, Hkv, G, D), key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
+    s_b = torch.matmul(q, key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
     # one softmax over both parts: exact (the same as merging two partial softmaxes by their lse)
-    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
-    p_a = p[..., :P].reshape(B, N, Hkv, G, P).permute(0, 2, 1, 3, 4).reshape(B, Hkv, N * G, P)
-    out_a = torch.matmul(p_a, pv).view(B, Hkv, N, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, D)
-    out = out_a + torch.matmul(p[..., P:], value)  # (R, Hkv, G, D)
+    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, B*P + t)
+    p_a = p[..., :BP].transpose(0, 1).reshape(Hkv, R * G, BP)  # (Hkv, R*G, B*P)
+    out_a = torch.matmul(p_a, pv).view(Hkv, R, G, D).transpose(0, 1)  # (R, Hkv, G, D)
+    out = out_a + torch.matmul(p[..., BP:], value)  # (R, Hkv, G, D)
     return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
 
 
@@ -152,27 +172,35 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
     masks = {t: cache for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
     R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)  # one id or several
-    row_start = prompt_len.repeat_interleave(n)[:, None]  # (R, 1) position of each row's first new token
-    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (R, V), row r is prompt r // n
-    tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T)
+    tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T) outputs
     logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)  # (R, T)
-    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,)
     mask = torch.zeros(R, max_new, dtype=torch.bool, device=dev)  # (R, T)
+    # the rows still decoding, r <= R of them: their output row, position offset, state
+    rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
+    row_start = prompt_len.repeat_interleave(n)[:, None]  # (r, 1) position of each row's first new token
+    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row r is prompt r // n
+    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
-        tok = pick_tokens(logits, temperature, top_p, gen)  # (R,)
+        tok = pick_tokens(logits, temperature, top_p, gen)  # (r,)
         tok = torch.where(done, pad_id, tok)
-        tokens[:, t], mask[:, t] = tok, ~done
+        tokens[rows, t], mask[rows, t] = tok, ~done
         # the drawn token's log-prob and the distribution's entropy (0 where done), through the
         # trainer's kernel at the trainer's temperature; greedy (T = 0) records them at T = 1
-        logp[:, t], entropy[:, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0,
-                                                   with_entropy=True)
+        logp[rows, t], entropy[rows, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0,
+                                                         with_entropy=True)
         done = done | torch.isin(tok, eos_ids)
         if done.all() or t == max_new - 1:
             break
+        if 8 * done.sum() >= len(done):  # an eighth finished: drop them (each drop copies the own KV)
+            live = (~done).nonzero()[:, 0]  # (r',)
+            rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
+            cache.keep(live)
         out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks, **{cache_kw: cache})
         cache.t += 1
-        logits = out.logits[:, -1]  # (R, V)
-    return tokens, mask, logp, entropy, ~done
+        logits = out.logits[:, -1]  # (r, V)
+    truncated = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,) dropped rows had finished
+    truncated[rows] = ~done
+    return tokens, mask, logp, entropy, truncated
 
 
 def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts:

@@ -77,10 +77,13 @@ def greedy_recompute(model, tok, prompt, max_new):
 # brorl.py: the sampler
 
 
-def test_shared_prefix_greedy_equals_full_recompute(random_lm):
+def test_shared_prefix_greedy_equals_full_recompute(random_lm, monkeypatch):
     model, tok = random_lm
     gen = torch.Generator().manual_seed(0)
+    drops, keep = [], sampler.SharedPrefixCache.keep
+    monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: drops.append(len(rows)) or keep(self, rows))
     ro = brorl.generate(model, tok, PROMPTS, 3, 8, 0.0, 1.0, 4096, gen)
+    assert drops  # finished rows were dropped mid-decode, and the survivors still decode exactly
     lengths = set()
     for b, prompt in enumerate(PROMPTS):
         want = greedy_recompute(model, tok, prompt, 8)

@@ -178,7 +178,7 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
     # the rows still decoding, r <= R of them: their output row, position offset, state
     rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
     row_start = prompt_len.repeat_interleave(n)[:, None]  # (r, 1) position of each row's first new token
-    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row r is prompt r // n
+    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row i is prompt i // n
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
         tok = pick_tokens(logits, temperature, top_p, gen)  # (r,)

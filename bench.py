@@ -139,13 +139,23 @@ def run_ours(model, ids, n, new, pad_id, gen):
     return tokens
 
 
-def run_generate(model, ids, n, new, tok):
+def run_generate(model, ids, n, new, tok, forced=True):
+    """(n, <= new) new tokens, pad after EOS; forced: every row runs to `new` tokens."""
     x = torch.tensor([ids], device=model.device)  # (1, P); generate copies it N times
     out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, num_return_sequences=n,
-                         max_new_tokens=new, min_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    assert out.shape == (n, len(ids) + new)
-    return out
+                         max_new_tokens=new, min_new_tokens=new if forced else None, temperature=1.0,
+                         top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert not forced or out.shape == (n, len(ids) + new)
+    return out[:, len(ids):]
+
+
+def interleaved(contenders: dict, repeats: int) -> dict:
+    """{name: [(seconds, result), ...]}: every contender run `repeats` times, interleaved A B A B ..."""
+    runs = {k: [] for k in contenders}
+    for _ in range(repeats):
+        for k, fn in contenders.items():
+            runs[k].append(timed(fn))
+    return runs
 
 
 def bench_sampler(path, device, dtype, cases, repeats, tok):
@@ -164,10 +174,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
         ids = random_prompt(p, seed=p)
         contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id, gen),
                       "generate": lambda: run_generate(hf, ids, n, new, tok)}
-        times = {k: [] for k in contenders}
-        for _ in range(repeats):  # interleaved: A B A B ...
-            for k, fn in contenders.items():
-                times[k].append(timed(fn)[0])
+        times = {k: [dt for dt, _ in runs] for k, runs in interleaved(contenders, repeats).items()}
         tps = {k: n * new / statistics.median(v) for k, v in times.items()}
         ratio = tps["brorl"] / tps["generate"]
         print(f"{n:>5} {p:>6} {new:>4} | {tps['brorl']:>11.0f} {tps['generate']:>14.0f} | {ratio:>5.2f}x"
@@ -252,24 +259,17 @@ def bench_varlen(path, device, dtype, repeats, tok, n=512, prompt=64, new=128, e
         for m in models:
             m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.tensor([ids], device=device)
-    contenders = {
-        "brorl": lambda: sampler.generate_group_chunk(models[0], [ids], n, new, 1.0, 1.0, [tok.eos_token_id],
-                                                      tok.pad_token_id, gen)[1].sum(),  # mask: real tokens
-        "generate": lambda: (models[1].generate(x, attention_mask=torch.ones_like(x), do_sample=True,
-                                                num_return_sequences=n, max_new_tokens=new, temperature=1.0,
-                                                top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id,
-                                                eos_token_id=tok.eos_token_id)[:, prompt:] != tok.pad_token_id).sum()}
-    rates, lengths = {k: [] for k in contenders}, {k: [] for k in contenders}
-    for _ in range(repeats):  # interleaved: A B A B ...
-        for k, fn in contenders.items():
-            dt, n_tok = timed(fn)
-            rates[k].append(int(n_tok) / dt)
-            lengths[k].append(int(n_tok) / n)
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    contenders = {  # each returns its number of real tokens (EOS included, padding not)
+        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], n, new, 1.0, 1.0, [tok.eos_token_id],
+                                                          tok.pad_token_id, gen)[1].sum()),
+        "generate": lambda: int((run_generate(models[1], ids, n, new, tok, forced=False)
+                                 != tok.pad_token_id).sum())}
+    runs = interleaved(contenders, repeats)
+    med = {k: statistics.median(n_tok / dt for dt, n_tok in v) for k, v in runs.items()}
+    lengths = {k: statistics.mean(n_tok / n for _, n_tok in v) for k, v in runs.items()}
     print(f"\n== varied lengths: N={n}, prompt {prompt}, up to {new} new, real tokens/s, median of {repeats}")
     print(f"brorl {med['brorl']:.0f} | generate {med['generate']:.0f} | {med['brorl'] / med['generate']:.2f}x"
-          f"   (mean length: brorl {statistics.mean(lengths['brorl']):.1f}, generate {statistics.mean(lengths['generate']):.1f})")
+          f"   (mean length: brorl {lengths['brorl']:.1f}, generate {lengths['generate']:.1f})")
 
 
 # ----------------------------------------------------------------------------

@@ -373,6 +373,16 @@ def _cpu_peak_bytes(fn):
     return peak
 
 
+def _cuda_peak_bytes(fn):
+    """Peak bytes held by torch's CUDA allocator while fn runs, above what was held before."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 def _bench_cpu_memory(rows=1024, V=32000):
     import time
     gen = torch.Generator().manual_seed(0)
@@ -463,12 +473,7 @@ def _bench_gpu(shapes=((8192, 151936), (32768, 32000), (65536, 151936))):
             try:
                 fwd_ms, fb_ms = _cuda_time_ms(fwd), _cuda_time_ms(fwd_bwd)
                 xg.grad = None
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                fwd_bwd()
-                torch.cuda.synchronize()
-                peak = torch.cuda.max_memory_allocated() - base  # bytes, the gradient included
+                peak = _cuda_peak_bytes(fwd_bwd)  # bytes, the gradient included
                 print(f"{'':>14} {name:>15} {fwd_ms:8.2f} {n / fwd_ms / 1e6:9.0f} {fb_ms:8.2f} "
                       f"{3 * n / fb_ms / 1e6:9.0f} {100 * copy_ms / fb_ms:8.0f}% "
                       f"{peak / 2**30:9.2f} {peak / n:9.2f}")

@@ -18,7 +18,8 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
                  Every log-prob (old, reference, current) goes through kernels.token_logprobs.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
                  the correct mass Q(x) of a fixed probe set (the quantity the paper's theory is
-                 about); one log line per step, metrics.jsonl and metrics.png in --out.
+                 about); one log line per step, metrics.jsonl and metrics.png in --out; a
+                 checkpoint at every eval, from which --resume continues the run exactly.
 
 Where this simplifies the paper:
   1. One process, one device, one engine: the trainer samples its own rollouts, so the
@@ -36,6 +37,7 @@ Run:
   python brorl.py --preset hard                # the correct procedure is rare (~3% of samples)
   python brorl.py --preset paper --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B \
       --task math:agentica-org/DeepScaleR-Preview-Dataset           # the real job, one GPU
+  python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
   python brorl.py --help                       # every flag
 """
 
@@ -109,9 +111,10 @@ class Config:
     eval_prompts: int = 64  # held-out prompts per eval
     eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased)
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked (N each)
-    save: bool = True  # save the final policy (HF format) to <out>/ckpt
+    save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
-    preset: str = ""  # a named bundle of overrides, applied before the other flags (see PRESETS)
+    resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
+    preset: str = ""  # a named bundle of overrides (hard, paper), applied before the other flags
 
 
 # Presets are named bundles of overrides, never a second source of defaults.
@@ -134,20 +137,42 @@ def field_help():
     return dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", src, flags=re.M))
 
 
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "0", "false", "no"):
+        return s.lower() in ("1", "true", "yes")
+    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
+
+
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # first paragraph
     helps = field_help()
     for f in dataclasses.fields(Config):
-        kind = {bool: lambda s: s.lower() in ("1", "true", "yes")}.get(f.type, f.type)
-        parser.add_argument(f"--{f.name}", type=kind, default=None, help=helps.get(f.name, ""),
-                            metavar=f.type.__name__.upper())
+        # default=None marks "not given", so that a preset never overrides an explicit flag; the
+        # help shows the real default (Config's), which a preset may change
+        text = helps.get(f.name, "")
+        text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
+        parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=None,
+                            help=text.replace("%", "%%"), metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(argv))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")
     if preset and preset not in PRESETS:
         parser.error(f"--preset {preset!r}: unknown (choose from {sorted(PRESETS)})")
-    cfg = Config(**{**PRESETS.get(preset, {}), **overrides})
+    base = PRESETS.get(preset, {})
+    if overrides.get("resume"):  # the run's own config, then the flags given now (e.g. --steps to extend it)
+        run = Path(overrides["resume"])
+        for need in (run / "config.json", run / "ckpt" / "trainer_state.pt"):
+            if not need.is_file():
+                parser.error(f"--resume {run}: no checkpoint to resume ({need} is missing)")
+        if Path(overrides.get("out", run)) != run:
+            parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
+        if preset:
+            parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
+        base = json.loads((run / "config.json").read_text())
+        if unknown := set(base) - {f.name for f in dataclasses.fields(Config)}:
+            parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
+        overrides["out"] = str(run)
+    cfg = Config(**{**base, **overrides})
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
@@ -269,11 +294,13 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     cache = DynamicCache(config=model.config)
     first = model(batch["prompt"][groups], attention_mask=pm.long(), position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
                   logits_to_keep=1, **{cache_kwarg(model): cache}).logits  # (g, 1, V)
-    logits = first[row_group]  # (r, 1, V)
+    # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
+    # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
+    logits = first.index_select(0, row_group)  # (r, 1, V)
     if T > 1:  # 2. response tokens 0..T-2 predict tokens 1..T-1
         row_cache = DynamicCache(config=model.config)
         for i, layer in enumerate(cache.layers):  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-            row_cache.update(layer.keys[row_group], layer.values[row_group], i)
+            row_cache.update(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group), i)
         r, P = len(rows), pm.shape[1]
         causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
         attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
@@ -466,16 +493,16 @@ def fail(msg: str):
     sys.exit(2)
 
 
-def load_policy(cfg, device):
+def load_policy(name: str, device, flag="--model"):
     """Model and tokenizer from a hub id or a local dir; one clear line if that is impossible."""
-    looks_local = cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1  # not "org/name"
-    if looks_local and not Path(cfg.model).expanduser().is_dir():
-        fail(f"--model {cfg.model}: no such directory")
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
+    if looks_local and not Path(name).expanduser().is_dir():
+        fail(f"{flag} {name}: no such directory")
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="brorl")
+        tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="brorl")
     except (OSError, ValueError) as e:
-        fail(f"--model {cfg.model}: could not load ({str(e).splitlines()[0]})")
+        fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
@@ -493,15 +520,21 @@ def make_run_dir(cfg) -> Path:
     return out
 
 
-def save_atomic(model, tok, cfg, path: Path):
-    """Write the checkpoint into a temp dir, then rename: never a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
+def save_atomic(model, tok, cfg, state: dict, path: Path):
+    """Write the checkpoint into a temp dir, then swap it in: never a half-written checkpoint, and
+    the previous one stays whole until the new one is. `state` is what --resume needs besides the
+    policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    shutil.rmtree(path, ignore_errors=True)
+    torch.save(state, tmp / "trainer_state.pt")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
     os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def train(cfg: Config) -> list:
@@ -518,7 +551,8 @@ def train(cfg: Config) -> list:
         held_out = data.load_task(cfg.task, "test", seed=cfg.seed, digits=cfg.digits)
     except (ValueError, OSError) as e:
         fail(f"--task {cfg.task}: {e}")
-    model, tok = load_policy(cfg, device)
+    ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
+    model, tok = load_policy(str(ckpt), device, "--resume") if ckpt else load_policy(cfg.model, device)
     out = make_run_dir(cfg)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -527,7 +561,8 @@ def train(cfg: Config) -> list:
 
     ref_model = None
     if cfg.kl_coef > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, attn_implementation="brorl")
+        ref_model = AutoModelForCausalLM.from_pretrained(str(ckpt or cfg.model), dtype=torch.float32,
+                                                         attn_implementation="brorl")  # resume: state below
         ref_model.to(device).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng = random.Random(cfg.seed)
@@ -536,8 +571,28 @@ def train(cfg: Config) -> list:
     eval_set = random.Random(cfg.seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
     probe = eval_set[: cfg.probe_prompts]
 
-    metrics_file = open(out / "metrics.jsonl", "w")
-    rows, keep_est = [], 0.5
+    rows, keep_est, start = [], 0.5, 0
+    if ckpt:  # continue where the checkpoint left off: same weights, optimizer, random streams, metrics
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
+        opt.load_state_dict(state["opt"])
+        rng.setstate(state["rng"])
+        gen.set_state(state["gen"])
+        gen_cpu.set_state(state["gen_cpu"])
+        if ref_model is not None:
+            ref_model.load_state_dict(state["ref"] if state["ref"] is not None else model.state_dict())
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if r["step"] <= start]  # steps logged after the checkpoint are redone
+        tqdm.write(f"resumed {out} at step {start}")
+    (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(out / "metrics.jsonl.tmp", out / "metrics.jsonl")  # a resumed run's rows, whole or not at all
+    metrics_file = open(out / "metrics.jsonl", "a")
+
+    def checkpoint(step):
+        state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt.state_dict(), rng=rng.getstate(),
+                     gen=gen.get_state(), gen_cpu=gen_cpu.get_state(),
+                     ref=ref_model.state_dict() if ref_model is not None else None)
+        save_atomic(model, tok, cfg, state, out / "ckpt")
 
     def log_eval(q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0."""
@@ -547,11 +602,13 @@ def train(cfg: Config) -> list:
             q, mq = probe_mass(model, tok, probe, cfg, gen, start=q_start)
         return {**m, **mq}, q
 
-    m0, q_start = log_eval()
-    rows.append({"step": 0, **m0})
-    metrics_file.write(json.dumps(rows[0]) + "\n")
-    tqdm.write(f"eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
-    bar = tqdm(range(1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr)
+    if not ckpt:
+        m0, q_start = log_eval()
+        rows.append({"step": 0, **m0})
+        metrics_file.write(json.dumps(rows[0]) + "\n")
+        tqdm.write(f"eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
+    bar = tqdm(range(start + 1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
+               initial=start, total=cfg.steps)
     for step in bar:
         try:
             with amp():
@@ -569,6 +626,8 @@ def train(cfg: Config) -> list:
         metrics_file.flush()
         if "eval_pass@1" in m:
             plot_metrics(rows, out / "metrics.png")  # refreshed at every eval, not only at the end
+            if cfg.save:
+                checkpoint(step)
         line = (f"step {step:4d} | reward {m['reward_mean']:.3f} | keep {m['keep_rate']:.2f} | "
                 f"ent {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | "
                 f"|r-1| {m.get('max_ratio_dev', 0):.1e} | len {m['resp_len']:.1f} | "
@@ -577,8 +636,6 @@ def train(cfg: Config) -> list:
             line += f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f} Q {m['mass_mean']:.3f}"
         tqdm.write(line)
     metrics_file.close()
-    if cfg.save:
-        save_atomic(model, tok, cfg, out / "ckpt")
     first, last = rows[0], rows[-1]
     if "eval_pass@1" in last:
         print(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "

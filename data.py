@@ -319,8 +319,8 @@ def evaluate(model, tok, problems: list[dict], n: int, ks: list[int], **sampling
 
 def warm_start(cfg: WarmStart):
     """Train the embedded model (addition, then the mixture); return (report, model, tok) with
-    its held-out metrics. Fully seeded: in one process the same config and threads give the same
-    weights; across processes float summation order may differ (README: reproducibility)."""
+    its held-out metrics. Fully seeded: the same config and thread count give the same weights (in
+    one process, tested; across processes, measured: README, reproducibility of the build)."""
     import torch.nn.functional as F
     torch.set_num_threads(cfg.threads)
     tok = build_tokenizer()

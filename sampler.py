@@ -5,9 +5,9 @@ prefilled ONCE and its N rollouts decode against that single copy of its keys an
 Why: with N = 512 rollouts of one prompt, model.generate(num_return_sequences=N) prefills the
 same prompt N times, stores its keys/values N times, and at every decode step reads them with N
 matrix-vector products. Here a decode step of R <= B*N rows attends to
-  (a) its prompt's P keys, the same for all N rows of a group: stored once, all B prompts side by
-      side (Hkv, B*P, D), and read with ONE matrix-matrix product per kv head for all rows and
-      query heads (a bias keeps each row's own prompt);
+  (a) its prompt's P keys, the same for all N rows of a group: stored once (Hkv, B, P, D) and
+      read with ONE batched matrix-matrix product per kv head, each prompt against its own rows
+      and query heads;
   (b) its own t generated keys, (R, Hkv, t, D), read per row.
 The scores of (a) and (b) go through one softmax, which is exact: the same as merging two
 partial softmaxes by their log-sum-exps (the "cascade" trick of FlashInfer / Hydragen).
@@ -38,13 +38,22 @@ from kernels import token_logprobs
 class SharedPrefixCache:
     """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
     token's key/value per row) and, handed over in the attention-mask dict, tells
-    cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep())."""
+    cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep()).
+
+    Rows are kept sorted by prompt. For the prefix they are laid out on a grid (B, n_max): prompt b's
+    live rows in its n_max slots, empty slots zero, so that ONE batched matmul per kv head reads
+    each prompt's keys for exactly its own rows. slot[i] is row i's place on the grid (None while
+    the grid is full and in order, as before any drop)."""
 
     def __init__(self, prefix_kv, prefix_len, n: int):
         B, Hkv, P, D = prefix_kv[0][0].shape
-        side_by_side = lambda x: x.transpose(0, 1).reshape(Hkv, B * P, D)  # (B, Hkv, P, D) -> (Hkv, B*P, D)
-        self.prefix_kv = [(side_by_side(k), side_by_side(v)) for k, v in prefix_kv]  # per layer, all prompts
-        self.P, self.prefix_len = P, prefix_len  # (B,) true prompt lengths (prompts are right-padded to P)
+        self.prefix_kv = [(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+                          for k, v in prefix_kv]  # per layer (Hkv, B, P, D): each prompt once
+        self.B, self.P, self.n_max, self.slot = B, P, n, None
+        # (B, P): -inf on each prompt's padding (prompts are right-padded to P); None if none
+        col = torch.arange(P, device=prefix_len.device)
+        self.pad_bias = None if (prefix_len == P).all() else torch.zeros(B, P, device=prefix_len.device).masked_fill(
+            col >= prefix_len[:, None], -math.inf)
         self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)  # (R,) prompt of each row
         self.t = 0  # generated tokens stored so far
         self.k = [k.new_empty(B * n, Hkv, 64, D) for k, _ in prefix_kv]  # (R, Hkv, capacity, D)
@@ -52,20 +61,33 @@ class SharedPrefixCache:
         self._set_bias()
 
     def _set_bias(self):
-        """prefix_bias (R, 1, 1, B*P): 0 on the row's own prompt, -inf on the other prompts and on
-        padding; None when there is nothing to hide (one prompt, no padding)."""
-        B = len(self.prefix_len)
-        col = torch.arange(B * self.P, device=self.row_group.device)  # (B*P,)
-        own = (col // self.P == self.row_group[:, None]) & (col % self.P < self.prefix_len[self.row_group, None])
-        self.prefix_bias = None if own.all() else torch.zeros(own.shape, device=own.device).masked_fill(
-            ~own, -math.inf)[:, None, None]  # (R, 1, 1, B*P)
+        """prefix_bias (r, 1, 1, P): each row's own prompt's padding, or None."""
+        self.prefix_bias = None if self.pad_bias is None else self.pad_bias[self.row_group][:, None, None]
 
     def keep(self, rows):
-        """Drop every row but `rows` (indices into the current rows): finished rollouts stop costing."""
+        """Drop every row but `rows` (ascending indices into the current rows): finished rollouts
+        stop costing. The survivors are packed onto a smaller grid: n_max = most rows left to a prompt."""
         self.k = [k[rows] for k in self.k]
         self.v = [v[rows] for v in self.v]
-        self.row_group = self.row_group[rows]
+        self.row_group = self.row_group[rows]  # still sorted by prompt
+        counts = torch.bincount(self.row_group, minlength=self.B)  # (B,) rows left per prompt
+        self.n_max = int(counts.max())
+        first = torch.cumsum(counts, 0) - counts  # (B,) index of each prompt's first row
+        rank = torch.arange(len(rows), device=rows.device) - first[self.row_group]  # (r,) place among its prompt's rows
+        self.slot = self.row_group * self.n_max + rank  # (r,) place on the (B, n_max) grid
+        if len(rows) == self.B * self.n_max:  # full grid, rows in order: slot is the identity
+            self.slot = None
         self._set_bias()
+
+    def to_grid(self, x):
+        """(Hkv, r, ...) rows -> (Hkv, B*n_max, ...) grid, zeros in the empty slots."""
+        if self.slot is None:
+            return x
+        return x.new_zeros(x.shape[0], self.B * self.n_max, *x.shape[2:]).index_copy_(1, self.slot, x)
+
+    def from_grid(self, x):
+        """(Hkv, B*n_max, ...) grid -> (Hkv, r, ...) rows."""
+        return x if self.slot is None else x.index_select(1, self.slot)
 
     def update(self, k, v, layer_idx, *args, **kwargs):
         # k, v: (R, Hkv, 1, D), the current token of every row
@@ -86,25 +108,25 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("cascade decoding supports full attention only")
-    pk, pv = cache.prefix_kv[module.layer_idx]  # (Hkv, B*P, D): every prompt of the chunk, stored once
-    Hkv, BP, D = pk.shape
+    pk, pv = cache.prefix_kv[module.layer_idx]  # (Hkv, B, P, D): each prompt of the chunk, stored once
+    Hkv, B, P, D = pk.shape
     R, H = query.shape[:2]  # query (R, H, 1, D), R rows still decoding
     G = H // Hkv  # G query heads share one kv head (GQA)
     q = (query * scaling).view(R, Hkv, G, D)  # scaled once here rather than both score tensors
-    # (a) the prefixes: for each kv head ONE matmul, all R rows x G heads against all B prompts' keys
-    # (B x the FLOPs of reading only the own prompt, but one pass over the prefix memory, and rows
-    # may come and go); the bias keeps each row's own prompt
-    s_a = torch.matmul(q.transpose(0, 1).reshape(Hkv, R * G, D), pk.transpose(-1, -2)).float()  # (Hkv, R*G, B*P)
-    s_a = s_a.view(Hkv, R, G, BP).transpose(0, 1)  # (R, Hkv, G, B*P)
-    if cache.prefix_bias is not None:
+    # (a) the prefixes: per kv head ONE batched matmul over the B prompts, each prompt's P keys
+    # against its own rows x G heads (rows on the (B, n_max) grid)
+    q_grid = cache.to_grid(q.transpose(0, 1)).reshape(Hkv, B, -1, D)  # (Hkv, B, n_max*G, D)
+    s_a = torch.matmul(q_grid, pk.transpose(-1, -2)).float()  # (Hkv, B, n_max*G, P)
+    s_a = cache.from_grid(s_a.view(Hkv, -1, G, P)).transpose(0, 1)  # (R, Hkv, G, P)
+    if cache.prefix_bias is not None:  # the prompt's padding
         s_a = s_a + cache.prefix_bias
     # (b) each row's own generated tokens, key/value (R, Hkv, t, D)
     s_b = torch.matmul(q, key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
     # one softmax over both parts: exact (the same as merging two partial softmaxes by their lse)
-    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, B*P + t)
-    p_a = p[..., :BP].transpose(0, 1).reshape(Hkv, R * G, BP)  # (Hkv, R*G, B*P)
-    out_a = torch.matmul(p_a, pv).view(Hkv, R, G, D).transpose(0, 1)  # (R, Hkv, G, D)
-    out = out_a + torch.matmul(p[..., BP:], value)  # (R, Hkv, G, D)
+    p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
+    p_grid = cache.to_grid(p[..., :P].transpose(0, 1)).reshape(Hkv, B, -1, P)  # (Hkv, B, n_max*G, P)
+    out_a = cache.from_grid(torch.matmul(p_grid, pv).view(Hkv, -1, G, D)).transpose(0, 1)  # (R, Hkv, G, D)
+    out = out_a + torch.matmul(p[..., P:], value)  # (R, Hkv, G, D)
     return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
 
 

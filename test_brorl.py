@@ -105,10 +105,14 @@ def test_chunked_decoding_equals_one_chunk(random_lm):
     torch.testing.assert_close(c.logp.view(len(PROMPTS), 5, -1), a.logp.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1))
 
 
-def test_sampler_logprobs_equal_training_forward(random_lm):
+def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
     model, tok = random_lm
     gen = torch.Generator().manual_seed(1)
+    left, keep = [], sampler.SharedPrefixCache.keep  # rows left per prompt after each drop
+    monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: keep(self, rows) or left.append(
+        torch.bincount(self.row_group, minlength=self.B).tolist()))
     ro = brorl.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
+    assert any(len(set(c)) > 1 for c in left)  # prompts left with unequal rows: the packed grid was used
     batch = brorl.pack_groups([(ro, g, None) for g in range(len(PROMPTS))])
     with torch.no_grad():
         logp, ent = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3, with_entropy=True)
@@ -223,6 +227,25 @@ def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
     assert 0 < info_s["max_ratio_dev"] < 2e-5  # float64 trainer vs float32 sampler: rounding (as above)
 
 
+def test_training_gradient_is_bitwise_reproducible(random_lm):
+    """Same seed, same gradient, to the bit: a shuffled micro-batch gathers its prompts' keys/values
+    per row, and that gather's backward must sum the N rows' gradients in a fixed order (x[idx]'s
+    backward on a CPU does not: runs drifted apart from their first step)."""
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:2], 256, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(7))
+    batch = brorl.pack_groups([(ro, g, None) for g in range(2)])
+    rows = torch.randperm(512, generator=torch.Generator().manual_seed(8))[:384]  # both prompts, shuffled
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        brorl.response_logprobs(model, batch, rows, 1.0).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    first = grads()
+    assert all(torch.equal(first, grads()) for _ in range(3))
+    model.zero_grad(set_to_none=True)
+
+
 def test_old_logp_auto_recomputes_unless_the_forward_is_float32():
     fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16()
     assert brorl.uses_sampler_logp(brorl.Config(), fp32)  # float32: the sampler's log-probs
@@ -300,6 +323,24 @@ def test_two_step_run_writes_metrics_plot_and_checkpoint(tmp_path):
     assert (out / "ckpt" / "config.json").exists() and not (out / "ckpt.tmp").exists()
 
 
+def test_resume_continues_the_run_exactly(tmp_path):
+    """4 steps in one go == 2 steps, then --resume to 4 (weights, AdamW, random streams, reference,
+    metrics): a crashed or extended run loses nothing. Exact, as the training is bitwise reproducible."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--eval_every", "2", "--kl_coef", "1e-3", "--ref_reset_every", "3", *SMALL]
+    rows_a = brorl.train(brorl.parse_config(["--steps", "4", "--out", str(a), *common]))
+    brorl.train(brorl.parse_config(["--steps", "2", "--out", str(b), *common]))
+    assert (b / "ckpt" / "trainer_state.pt").exists() and not (b / "ckpt.old").exists()
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "4"]))  # the rest from b's config.json
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+    assert [strip(r) for r in rows_b] == [strip(r) for r in rows_a] and len(rows_a) == 5
+    on_disk = [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert on_disk == [0, 1, 2, 3, 4]
+    from safetensors.torch import load_file
+    wa, wb = load_file(a / "ckpt" / "model.safetensors"), load_file(b / "ckpt" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def run_in_process(capsys, *args):
     """brorl's command line, in this process: (exit code, stderr)."""
     with pytest.raises(SystemExit) as exit_info:
@@ -314,6 +355,8 @@ def run_in_process(capsys, *args):
     (["--adv_norm", "median"], "--adv_norm 'median'"),
     (["--old_logp", "trainer"], "--old_logp 'trainer': choose auto, sampler, recompute"),
     (["--preset", "nope"], "--preset 'nope': unknown"),
+    (["--save", "flase"], "argument --save: 'flase' is not a boolean"),
+    (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: no checkpoint to resume"),
     (["--task", "math:/nonexistent.jsonl"], "--task math:/nonexistent.jsonl"),
 ])
 def test_bad_flags_fail_with_one_clear_line_and_write_nothing(tmp_path, capsys, args, needle):
@@ -338,6 +381,8 @@ def test_help_documents_every_flag(capsys):
     for f in brorl.dataclasses.fields(brorl.Config):
         assert f"--{f.name}" in text
     assert set(brorl.field_help()) == {f.name for f in brorl.dataclasses.fields(brorl.Config)}
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "(default: 512)" in flat and "(default: the embedded tiny model)" in flat  # the real defaults
 
 # ============================================================================
 # data.py. Tests of data.py: the arith task, the embedded model and tokenizer, the math loaders.

@@ -573,7 +573,8 @@ def train(cfg: Config) -> list:
 
     rows, keep_est, start = [], 0.5, 0
     if ckpt:  # continue where the checkpoint left off: same weights, optimizer, random streams, metrics
-        state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)  # generator states
+        # must be CPU tensors; the optimizer and the reference move their own to the device
         start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
         opt.load_state_dict(state["opt"])
         rng.setstate(state["rng"])

@@ -42,6 +42,7 @@ Run:
 """
 
 import argparse
+import copy
 import dataclasses
 import inspect
 import json
@@ -560,10 +561,8 @@ def train(cfg: Config) -> list:
           f"train {len(train_set)} / held-out {len(held_out)} prompts; run dir {out}")
 
     ref_model = None
-    if cfg.kl_coef > 0:
-        ref_model = AutoModelForCausalLM.from_pretrained(str(ckpt or cfg.model), dtype=torch.float32,
-                                                         attn_implementation="brorl")  # resume: state below
-        ref_model.to(device).eval().requires_grad_(False)
+    if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng = random.Random(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -580,8 +579,8 @@ def train(cfg: Config) -> list:
         rng.setstate(state["rng"])
         gen.set_state(state["gen"])
         gen_cpu.set_state(state["gen_cpu"])
-        if ref_model is not None:
-            ref_model.load_state_dict(state["ref"] if state["ref"] is not None else model.state_dict())
+        if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
+            ref_model.load_state_dict(state["ref"])
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if r["step"] <= start]  # steps logged after the checkpoint are redone
         tqdm.write(f"resumed {out} at step {start}")

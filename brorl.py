@@ -39,18 +39,16 @@ Run:
       --task math:agentica-org/DeepScaleR-Preview-Dataset           # the real job, one GPU
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
   python brorl.py --help                       # every flag
+
+The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
+(tasks and the embedded model), harness.py (command line, run directory, checkpoints, plots).
 """
 
-import argparse
 import copy
 import dataclasses
-import inspect
 import json
 import math
-import os
 import random
-import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +61,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 import data
+import harness
 import verify
+from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import token_logprobs
 from sampler import Rollouts, cache_kwarg, generate  # importing it registers attn_implementation="brorl"
 
@@ -132,52 +132,10 @@ PRESETS = {
 }
 
 
-def field_help():
-    """--help text for each field: the comment that follows it in the Config source."""
-    src = inspect.getsource(Config)
-    return dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", src, flags=re.M))
-
-
-def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "0", "false", "no"):
-        return s.lower() in ("1", "true", "yes")
-    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
-
-
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))  # first paragraph
-    helps = field_help()
-    for f in dataclasses.fields(Config):
-        # default=None marks "not given", so that a preset never overrides an explicit flag; the
-        # help shows the real default (Config's), which a preset may change
-        text = helps.get(f.name, "")
-        text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
-        parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=None,
-                            help=text.replace("%", "%%"), metavar=f.type.__name__.upper())
-    args = vars(parser.parse_args(argv))
-    overrides = {k: v for k, v in args.items() if v is not None}
-    preset = overrides.get("preset", "")
-    if preset and preset not in PRESETS:
-        parser.error(f"--preset {preset!r}: unknown (choose from {sorted(PRESETS)})")
-    base = PRESETS.get(preset, {})
-    if overrides.get("resume"):  # the run's own config, then the flags given now (e.g. --steps to extend it)
-        run = Path(overrides["resume"])
-        for need in (run / "config.json", run / "ckpt" / "trainer_state.pt"):
-            if not need.is_file():
-                parser.error(f"--resume {run}: no checkpoint to resume ({need} is missing)")
-        if Path(overrides.get("out", run)) != run:
-            parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
-        if preset:
-            parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
-        base = json.loads((run / "config.json").read_text())
-        if unknown := set(base) - {f.name for f in dataclasses.fields(Config)}:
-            parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
-        overrides["out"] = str(run)
-    cfg = Config(**{**base, **overrides})
-    problem = check_config(cfg)
-    if problem:
-        parser.error(problem)
-    return cfg
+    """Config from the command line (harness.py): a preset, then the flags given; or a run to --resume."""
+    description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
+    return harness.parse_config(Config, PRESETS, check_config, description, argv)
 
 
 def check_config(cfg: Config) -> str:
@@ -462,36 +420,8 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
     }
 
 
-PLOTS = [("reward_mean", "train reward"), ("eval_pass@1", "held-out pass@1 (T=0.6)"),
-         ("eval_pass@k", "held-out pass@k (k = eval samples)"), ("keep_rate", "dynamic-sampling keep rate"),
-         ("entropy", "token entropy"), ("resp_len", "response length"),
-         ("mass_mean", "probe correct mass Q"), ("kl", "k2 KL to reference (0 if off)")]
-
-
-def plot_metrics(rows, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
-    for ax, (key, title) in zip(axes.flat, PLOTS):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, ms=3)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------
 # Setup and the loop
-
-
-def fail(msg: str):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 def load_policy(name: str, device, flag="--model"):
@@ -507,35 +437,6 @@ def load_policy(name: str, device, flag="--model"):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
-
-
-def make_run_dir(cfg) -> Path:
-    out = Path(cfg.out or f"runs/{cfg.task.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        fail(f"--out {out}: cannot write there ({e.strerror})")
-    return out
-
-
-def save_atomic(model, tok, cfg, state: dict, path: Path):
-    """Write the checkpoint into a temp dir, then swap it in: never a half-written checkpoint, and
-    the previous one stays whole until the new one is. `state` is what --resume needs besides the
-    policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    torch.save(state, tmp / "trainer_state.pt")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def train(cfg: Config) -> list:
@@ -581,12 +482,9 @@ def train(cfg: Config) -> list:
         gen_cpu.set_state(state["gen_cpu"])
         if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
             ref_model.load_state_dict(state["ref"])
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if r["step"] <= start]  # steps logged after the checkpoint are redone
+        rows = read_metrics(out, upto=start)  # steps logged after the checkpoint are redone
         tqdm.write(f"resumed {out} at step {start}")
-    (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(out / "metrics.jsonl.tmp", out / "metrics.jsonl")  # a resumed run's rows, whole or not at all
-    metrics_file = open(out / "metrics.jsonl", "a")
+    metrics_file = open_metrics(out, rows)
 
     def checkpoint(step):
         state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt.state_dict(), rng=rng.getstate(),
@@ -606,7 +504,7 @@ def train(cfg: Config) -> list:
         m0, q_start = log_eval()
         rows.append({"step": 0, **m0})
         metrics_file.write(json.dumps(rows[0]) + "\n")
-        tqdm.write(f"eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
+        tqdm.write("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
                initial=start, total=cfg.steps)
     for step in bar:
@@ -628,13 +526,7 @@ def train(cfg: Config) -> list:
             plot_metrics(rows, out / "metrics.png")  # refreshed at every eval, not only at the end
             if cfg.save:
                 checkpoint(step)
-        line = (f"step {step:4d} | reward {m['reward_mean']:.3f} | keep {m['keep_rate']:.2f} | "
-                f"ent {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | "
-                f"|r-1| {m.get('max_ratio_dev', 0):.1e} | len {m['resp_len']:.1f} | "
-                f"{m['tokens_per_s']:.0f} tok/s | roll {m['time_rollout']:.2f}s upd {m['time_update']:.2f}s")
-        if "eval_pass@1" in m:
-            line += f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f} Q {m['mass_mean']:.3f}"
-        tqdm.write(line)
+        tqdm.write(log_line(m))
     metrics_file.close()
     first, last = rows[0], rows[-1]
     if "eval_pass@1" in last:

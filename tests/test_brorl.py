@@ -30,7 +30,7 @@ import verify  # noqa: E402
 from kernels import token_logprobs, token_logprobs_ref  # noqa: E402
 from verify import extract_answer, is_equiv, reward, rewards  # noqa: E402
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 
 # ----------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def test_help_documents_every_flag(capsys):
     text = capsys.readouterr().out
     for f in brorl.dataclasses.fields(brorl.Config):
         assert f"--{f.name}" in text
-    assert set(brorl.field_help()) == {f.name for f in brorl.dataclasses.fields(brorl.Config)}
+    assert set(brorl.harness.field_help(brorl.Config)) == {f.name for f in brorl.dataclasses.fields(brorl.Config)}
     flat = " ".join(text.split())  # argparse wraps lines
     assert "(default: 512)" in flat and "(default: the embedded tiny model)" in flat  # the real defaults
 

@@ -7,13 +7,14 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
                  ONCE; its N rollouts decode against that single copy of its keys/values (cascade
                  attention: the shared prefix read by one batched matmul for all N rows, each
                  rollout's own tokens separately, one exact softmax over both).
-  2. reward      rule-based verifier (verify.py): 1 correct, 0 otherwise.
+  2. reward      verifier (verify.py): 1 correct, 0 otherwise; on math, the rules or Math-Verify (--verifier).
   3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or a cap on rounds is hit (reported).
-  4. advantages  REINFORCE++-baseline: r - mean_group(r), then normalised over the batch
-                 (default); or GRPO's (r - mean_group) / std_group.
-  5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28), token-level mean over
-                 the mini-batch's response tokens, optional k2 KL to a periodically reset
+  4. advantages  REINFORCE++-baseline: r - mean_group(r), then whitened over the batch's valid
+                 response tokens (default, as verl); or over responses; or GRPO's / std_group.
+  5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
+                 token-level mean over the mini-batch's response tokens, truncated importance
+                 sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
                  Every log-prob (old, reference, current) goes through kernels.token_logprobs.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
@@ -22,10 +23,11 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
                  checkpoint at every eval, from which --resume continues the run exactly.
 
 Where this simplifies the paper:
-  1. One process, one device, one engine: the trainer samples its own rollouts, so the
-     sampler/trainer mismatch that truncated importance sampling corrects is absent. In float32
-     the sampler's log-probs serve as the old policy's (--old_logp; no second forward); we log
-     max|ratio-1| on the first mini-batch of each step: 0 up to float rounding.
+  1. One process, one device, one engine: the trainer samples its own rollouts. In float32 the
+     sampler's log-probs serve as the old policy's (--old_logp; no second forward; max|ratio-1| of
+     the first mini-batch checks it: 0 up to rounding). In bf16 the old log-probs are a trainer
+     forward, whose rounding differs from the decode's: that drift is logged (drift_max) and
+     corrected by truncated importance sampling (--tis_cap), as the paper does for vLLM.
   2. The default is a toy: a 0.62M-parameter character-level model warm-started on a mixture
      of right and systematically wrong addition procedures (data.py). RL has to select the right
      one, as RLVR selects among behaviours a real model already has.
@@ -85,13 +87,15 @@ class Config:
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
     max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollout nucleus; 1.0 keeps log-probs exact w.r.t. the tempered softmax
+    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once (memory); prompts are chunked to fit
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
     # advantages
-    adv_norm: str = "batch"  # batch: REINFORCE++-baseline (ProRL v2); group: GRPO's std_group
+    # r - mean_group(r), then: batch = whitened over the batch's valid response TOKENS (verl's REINFORCE++-baseline,
+    # ProRL v2 and BroRL); response = the same over responses, one vote each; group = GRPO's / std_group
+    adv_norm: str = "batch"  # batch, response or group
     # policy update
     lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
@@ -102,10 +106,16 @@ class Config:
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
     clip_low: float = 0.2  # PPO eps_low
     clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)
+    clip_ratio_c: float = 3.0  # dual-clip (verl): a negative-advantage token's loss is at most -c*A; need c > 1
+    # truncated importance sampling: the policy loss weighted by min(exp(logp_old - logp_sampler), C), correcting
+    # for the sampler's numerics differing from the trainer's; exactly 1 when the old log-probs ARE the sampler's
+    tis_cap: float = 2.0  # C (2 as in verl's TIS examples; the paper does not state it); 0 disables
     loss_agg: str = "token"  # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
+    # math tasks: rules (verify.py), math_verify, or both = correct if either accepts (the paper's)
+    verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else rules
     # schedule, eval, output
     steps: int = 100  # training steps
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
@@ -145,8 +155,14 @@ def check_config(cfg: Config) -> str:
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
-        (0 < cfg.top_p <= 1, f"--top_p {cfg.top_p}: need 0 < top_p <= 1"),
-        (cfg.adv_norm in ("batch", "group"), f"--adv_norm {cfg.adv_norm!r}: choose batch or group"),
+        # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a
+        # policy gradient through the nucleus's cut); the loss uses the full softmax's: refuse, do not bias
+        (cfg.top_p == 1, f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
+                         "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
+        (cfg.adv_norm in ("batch", "response", "group"), f"--adv_norm {cfg.adv_norm!r}: choose batch, response or group"),
+        (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
+        (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
+        (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
         (cfg.loss_agg in ("token", "sequence"), f"--loss_agg {cfg.loss_agg!r}: choose token or sequence"),
         (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
         (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
@@ -168,10 +184,15 @@ def check_config(cfg: Config) -> str:
 # Reward and dynamic sampling
 
 
-def score(rollouts: Rollouts, answers, task: str) -> torch.Tensor:
-    """Rewards (B, N): the verifier on each response; a truncated response scores 0."""
+def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=None) -> torch.Tensor:
+    """Rewards (B, N): the verifier on each response; a truncated response scores 0. A response is
+    scored with the <think> its prompt opened (R1-Distill's template ends with "<think>\n"), so that
+    an answer inside an unfinished think block does not count."""
+    prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
+    opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]  # (B,)
+    texts = [opened[i // rollouts.n] + t for i, t in enumerate(rollouts.texts)]
     golds = [a for a in answers for _ in range(rollouts.n)]
-    r = torch.tensor(verify.rewards(rollouts.texts, golds, task=task), dtype=torch.float32)  # (B*N,)
+    r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier), dtype=torch.float32)  # (B*N,)
     r[rollouts.truncated.cpu()] = 0.0
     return r.view(-1, rollouts.n)
 
@@ -182,13 +203,14 @@ def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
-        # ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent steps')
+        # ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent steps');
+        # without dynamic sampling every group is kept: exactly the B needed
         rate = stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"] else keep_est
-        want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B)
+        want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling else B - len(kept)
         batch = rng.sample(train_set, want)
         ro = generate(model, tok, [ex["prompt"] for ex in batch], N, cfg.max_new_tokens,
                       cfg.temperature, cfg.top_p, cfg.max_rows, gen)
-        r = score(ro, [ex["answer"] for ex in batch], batch[0]["task"])  # (want, N)
+        r = score(ro, [ex["answer"] for ex in batch], batch[0]["task"], cfg.verifier, tok)  # (want, N)
         stats["rounds"] += 1
         stats["groups_generated"] += want
         stats["tokens"] += int(ro.mask.sum())
@@ -224,15 +246,37 @@ def pack_groups(kept) -> dict:
 # Advantages
 
 
-def compute_advantages(rewards: torch.Tensor, norm: str = "batch", eps: float = 1e-6) -> torch.Tensor:
-    """rewards (G, N) -> advantages (G, N). A group whose rewards are all equal gets exactly 0:
-    it carries no signal, and the batch-mean subtraction must not leak rounding noise into it."""
+def whiten_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The batch statistics of a weighted whitening as sums, (3,) float64: sum(w*x), sum(w*x^2), sum(w).
+    Sums, so that several processes need only add theirs (one all-reduce) to whiten over the global batch."""
+    x, w = x.double(), w.double()
+    return torch.stack([(w * x).sum(), (w * x * x).sum(), w.sum()])
+
+
+def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None) -> torch.Tensor:
+    """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per response.
+    r - mean_group(r), then
+      batch:    whitened over all valid response tokens of the batch (verl's masked whitening, on which
+                ProRL v2 and BroRL run): each response's value counts once per token, so with the
+                token-mean loss the advantages sum to 0 over tokens even when right and wrong answers
+                differ in length. Mean and unbiased variance over tokens, as verl; eps 1e-8 inside the sqrt.
+      response: the same over responses (one vote each; ProRL v2's formula read per sequence).
+      group:    GRPO: / (std_group + 1e-6).
+    A group whose rewards are all equal gets exactly 0: it carries no signal, and the batch-mean
+    subtraction must not leak rounding noise into it."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
     informative = (rewards.max(1).values > rewards.min(1).values)[:, None]  # (G, 1)
-    if norm == "group":  # GRPO: per-group std
-        adv = centred / (rewards.std(1, keepdim=True) + eps)
-    else:  # REINFORCE++-baseline: normalise over the whole batch (ProRL v2, BroRL)
-        adv = (centred - centred.mean()) / (centred.std() + eps) if centred.numel() > 1 else centred
+    if norm == "group":
+        adv = centred / (rewards.std(1, keepdim=True) + 1e-6)
+    else:
+        if norm == "batch" and lengths is None:
+            raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
+        w = lengths if norm == "batch" else torch.ones_like(centred)  # (G, N) each response's weight
+        s_x, s_xx, n = whiten_sums(centred, w)  # (a distributed run adds these over processes)
+        mean, adv = s_x / n, centred
+        if n > 1:
+            var = (s_xx / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
+            adv = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
     return torch.where(informative, adv, torch.zeros_like(adv))
 
 
@@ -283,12 +327,23 @@ def loss_weights(mask: torch.Tensor, agg: str) -> torch.Tensor:
     return m / m.sum(1, keepdim=True).clamp(min=1) / m.shape[0]
 
 
-def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high):
-    """PPO-clip with decoupled bounds, per token (r, T); adv (r,) broadcast along T."""
-    ratio = torch.exp(logp - old_logp)  # (r, T)
-    unclipped = ratio * adv[:, None]
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv[:, None]
-    return -torch.min(unclipped, clipped), ratio
+def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
+    """PPO-clip with decoupled bounds, per token (r, T); adv (r,) broadcast along T. As verl: the
+    log-ratio is clamped to +-20 before exp (no overflow to inf), and dual-clip caps a negative-advantage
+    token's loss at -c*A, however far its ratio has run."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
+    a = adv[:, None]  # (r, 1)
+    loss = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T)
+    return torch.where(a < 0, torch.min(loss, -clip_ratio_c * a), loss), ratio
+
+
+def tis_weight(old_logp, sampler_logp, cap):
+    """Truncated importance sampling (r, T): min(exp(logp_old - logp_sampler), C). The tokens were drawn
+    by the sampler, the loss is computed against the trainer's old policy: this reweights one to the
+    other, truncated so that a rare outlier cannot dominate. Exactly 1 when both are the same tensor."""
+    if cap == 0:
+        return torch.ones_like(old_logp)
+    return torch.exp((old_logp - sampler_logp).clamp(max=20)).clamp(max=cap)
 
 
 def kl_k2(logp, ref_logp):
@@ -311,26 +366,36 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     micro = lambda idx: [idx[i: i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
     # old (and reference) log-probs and the entropy metric, once, before any update
     chunks = micro(torch.arange(R, device=adv.device))
+    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (R, T) each
     with torch.no_grad():
         if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
-            old_logp, ent = batch["sampler_logp"], batch["sampler_entropy"]  # (R, T) each
+            old_logp, ent = sampler_logp, batch["sampler_entropy"]  # (R, T) each
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
             old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
                                                           for rows in chunks]))  # (R, T) each
         ref_logp = torch.cat([response_logprobs(ref_model, batch, rows, cfg.temperature)
                               for rows in chunks]) if cfg.kl_coef > 0 else None  # (R, T)
-    ent = ent[batch["resp_mask"]]
-    m = dict(entropy=ent.mean().item(), clip_frac=0.0, kl=0.0, grad_norm=0.0, max_ratio_dev=0.0)
+    # sampler/trainer drift: how far the policy that drew the tokens is from the old policy of the loss.
+    # 0 by construction when the old log-probs are the sampler's (a trainer forward to measure it would
+    # cost as much as --old_logp recompute; the first mini-batch's max|ratio-1| below then measures it)
+    drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
+    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (R, T)
+    m = dict(entropy=ent[valid].mean().item(), clip_frac=0.0, kl=0.0, grad_norm=0.0, max_ratio_dev=0.0,
+             drift_max=drift.max().item() if len(drift) else 0.0, drift_mean=drift.mean().item() if len(drift) else 0.0)
     perm = torch.randperm(R, generator=gen_cpu).to(adv.device)
+    # even mini-batches (10 rows in 4: 3, 3, 2, 2); fewer rows than n_minibatches: one row each
+    minibatches = perm.tensor_split(min(cfg.n_minibatches, R))
     n_tok = 0
-    for k, mb in enumerate(perm.chunk(cfg.n_minibatches)):
+    for k, mb in enumerate(minibatches):
         w = loss_weights(batch["resp_mask"][mb], cfg.loss_agg)  # (r, T), sums to 1
         opt.zero_grad(set_to_none=True)
         for j in range(0, len(mb), cfg.micro_batch):
             rows, wr = mb[j: j + cfg.micro_batch], w[j: j + cfg.micro_batch]
             mask = batch["resp_mask"][rows]
             logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
-            tok_loss, ratio = ppo_token_loss(logp, old_logp[rows], adv[rows], cfg.clip_low, cfg.clip_high)
+            tok_loss, ratio = ppo_token_loss(logp, old_logp[rows], adv[rows], cfg.clip_low, cfg.clip_high,
+                                             cfg.clip_ratio_c)
+            tok_loss = tok_loss * tis[rows]  # TIS on the policy loss only, not on the KL (verl)
             if ref_logp is not None:
                 kl = kl_k2(logp, ref_logp[rows])
                 tok_loss = tok_loss + cfg.kl_coef * kl
@@ -338,7 +403,8 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             (tok_loss * wr).sum().backward()
             # diagnostics: clipped = the gradient is zero because the clip is active
             a = adv[rows][:, None]
-            clipped = ((ratio > 1 + cfg.clip_high) & (a > 0)) | ((ratio < 1 - cfg.clip_low) & (a < 0))
+            clipped = ((ratio > 1 + cfg.clip_high) & (a > 0)) | ((ratio < 1 - cfg.clip_low) & (a < 0)) | \
+                      ((ratio > cfg.clip_ratio_c) & (a < 0))  # dual-clip
             m["clip_frac"] += (clipped & mask).sum().item()
             n_tok += mask.sum().item()
             if k == 0:  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
@@ -346,7 +412,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
         if not math.isfinite(norm):  # never step on a NaN/inf gradient
             raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not applied")
-        m["grad_norm"] += norm / cfg.n_minibatches
+        m["grad_norm"] += norm / len(minibatches)
         opt.step()
     m["clip_frac"] /= max(n_tok, 1)
     m["kl"] /= max(n_tok, 1)
@@ -366,7 +432,9 @@ def rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
         batch = pack_groups(kept)
-        adv = compute_advantages(torch.stack([r for _, _, r in kept]), cfg.adv_norm).flatten()  # (R,)
+        rewards = torch.stack([r for _, _, r in kept])  # (G, N)
+        lengths = batch["resp_mask"].sum(1).view(rewards.shape).cpu()  # (G, N) valid tokens per response
+        adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,)
         model.train()
         upd = update_policy(model, ref_model, opt, batch, adv.to(model.device), cfg, gen_cpu)
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
@@ -382,8 +450,9 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
     prompts, answers, task = [e["prompt"] for e in examples], [e["answer"] for e in examples], examples[0]["task"]
     n = cfg.eval_samples
     ro = generate(model, tok, prompts, n, cfg.max_new_tokens, 0.6, 0.95, cfg.max_rows, gen)
-    correct = score(ro, answers, task)  # (P, n)
-    greedy = score(generate(model, tok, prompts, 1, cfg.max_new_tokens, 0.0, 1.0, cfg.max_rows, gen), answers, task)
+    correct = score(ro, answers, task, cfg.verifier, tok)  # (P, n)
+    greedy = score(generate(model, tok, prompts, 1, cfg.max_new_tokens, 0.0, 1.0, cfg.max_rows, gen), answers, task,
+                   cfg.verifier, tok)
     ks = [2 ** i for i in range(int(math.log2(n)) + 1)]
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
     for k in ks[1:]:
@@ -397,7 +466,7 @@ def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     training temperature. pass@k(x) = 1 - (1 - Q(x))^k rises with it (PAPER.md section 3)."""
     ro = generate(model, tok, [e["prompt"] for e in probe], cfg.n_rollouts, cfg.max_new_tokens,
                   cfg.temperature, cfg.top_p, cfg.max_rows, gen)
-    q = score(ro, [e["answer"] for e in probe], probe[0]["task"]).mean(1)  # (P,)
+    q = score(ro, [e["answer"] for e in probe], probe[0]["task"], cfg.verifier, tok).mean(1)  # (P,)
     m = {"mass_mean": q.mean().item()}
     if start is not None:
         delta = q - start
@@ -439,6 +508,23 @@ def load_policy(name: str, device, flag="--model"):
     return model.to(device), tok
 
 
+def pick_verifier(cfg) -> str:
+    """--verifier auto: the paper's (rules or Math-Verify) when math-verify is installed, else rules.
+    The arith task has a rule of its own: rules, whatever was asked."""
+    if not cfg.task.startswith("math"):
+        return "rules"
+    try:
+        verify._load_math_verify()
+        installed = True
+    except ImportError:
+        installed = False
+    if cfg.verifier == "auto":
+        return "both" if installed else "rules"
+    if cfg.verifier != "rules" and not installed:
+        fail(f"--verifier {cfg.verifier}: needs the math-verify package (pip install math-verify)")
+    return cfg.verifier
+
+
 def train(cfg: Config) -> list:
     hf_logging.disable_progress_bar()
     random.seed(cfg.seed)
@@ -453,13 +539,14 @@ def train(cfg: Config) -> list:
         held_out = data.load_task(cfg.task, "test", seed=cfg.seed, digits=cfg.digits)
     except (ValueError, OSError) as e:
         fail(f"--task {cfg.task}: {e}")
+    cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
     model, tok = load_policy(str(ckpt), device, "--resume") if ckpt else load_policy(cfg.model, device)
     out = make_run_dir(cfg)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}; "
-          f"train {len(train_set)} / held-out {len(held_out)} prompts; run dir {out}")
+          f"train {len(train_set)} / held-out {len(held_out)} prompts; verifier {cfg.verifier}; run dir {out}")
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)

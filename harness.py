@@ -113,7 +113,7 @@ def log_line(m: dict) -> str:
     """The one line printed per step (the README shows one)."""
     line = (f"step {m['step']:4d} | reward {m['reward_mean']:.3f} | keep {m['keep_rate']:.2f} | "
             f"ent {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | "
-            f"|r-1| {m.get('max_ratio_dev', 0):.1e} | len {m['resp_len']:.1f} | "
+            f"|r-1| {m.get('max_ratio_dev', 0):.1e} drift {m.get('drift_max', 0):.1e} | len {m['resp_len']:.1f} | "
             f"{m['tokens_per_s']:.0f} tok/s | roll {m['time_rollout']:.2f}s upd {m['time_update']:.2f}s")
     if "eval_pass@1" in m:
         line += f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f} Q {m['mass_mean']:.3f}"

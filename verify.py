@@ -10,7 +10,7 @@ with N = 512 rollouts it runs tens of thousands of times per step. `python verif
 
 Tasks. math: extract_answer, then is_equiv with the gold. verifier="both" adds the optional
 math-verify package (imported only when asked) as a second opinion on the same extracted answer:
-correct if either accepts (the ProRL recipe). arith, the embedded toy task ("123+456="): strip
+correct if either accepts (the ProRL recipe); verifier="math_verify" asks math-verify alone. arith, the embedded toy task ("123+456="): strip
 whitespace; keep what follows the last '=' (if any), stripped; it must be a plain integer
 (optional '-', ASCII digits, <= 32 chars) equal as an integer to the gold. Unknown task or
 verifier: ValueError (caller error). The caller cuts a completion at its stop token.
@@ -89,7 +89,7 @@ MAX_DEPTH = 32     # deepest nesting the parser and the structure splitter accep
 REL_TOL = 1e-9     # for comparisons where an irrational (float) value takes part
 MV_TIMEOUT_S = 5   # math-verify's own per-call timeout (its default)
 PARALLEL_MIN = 1 << 15  # rewards(): below this many math completions processes do not pay
-TASKS, VERIFIERS = ("math", "arith"), ("rules", "both")
+TASKS, VERIFIERS = ("math", "arith"), ("rules", "math_verify", "both")
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -585,7 +585,8 @@ def _score(completion, gold, task, verifier):
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
-    if is_equiv(answer, gold) or (verifier == "both" and _math_verify_accepts(answer, gold)):
+    if (verifier != "math_verify" and is_equiv(answer, gold)) or \
+            (verifier != "rules" and _math_verify_accepts(answer, gold)):
         return 1.0
     return 0.0
 
@@ -600,9 +601,10 @@ def rewards(completions, golds, task="math", verifier="rules", workers=None):
         raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
     n = len(completions)
     if workers is None:
-        big = n >= 16 if verifier == "both" else (task == "math" and n >= PARALLEL_MIN)
+        mv = verifier != "rules" and task == "math"
+        big = n >= 16 if mv else (task == "math" and n >= PARALLEL_MIN)
         workers = min(_cpus() - 1, 8) if big else 1
-        if verifier == "both" and threading.current_thread() is not threading.main_thread():
+        if mv and threading.current_thread() is not threading.main_thread():
             workers = max(workers, 2)
     if workers <= 1 or n < 2:
         return [_score(c, g, task, verifier) for c, g in zip(completions, golds)]
@@ -641,7 +643,7 @@ def _check(task, verifier):
         raise ValueError(f"unknown task {task!r}: expected one of {TASKS}")
     if verifier not in VERIFIERS:
         raise ValueError(f"unknown verifier {verifier!r}: expected one of {VERIFIERS}")
-    if verifier == "both":
+    if verifier != "rules":
         _load_math_verify()  # fail at once, not after the first disagreement
 
 
@@ -650,7 +652,7 @@ def _load_math_verify():
     try:
         import math_verify
     except ImportError as e:
-        raise ImportError("verifier='both' needs the optional math-verify package: "
+        raise ImportError("verifier 'math_verify' or 'both' needs the optional math-verify package: "
                           "pip install math-verify") from e
     return math_verify
 

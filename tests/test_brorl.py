@@ -125,7 +125,8 @@ def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
 
 def test_top_p_samples_only_from_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
-    toks = sampler.pick_tokens(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    u = torch.rand(len(logits), generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # (R,)
+    toks = sampler.pick_tokens(logits, 1.0, 0.7, u)
     counts = torch.bincount(toks, minlength=4).float() / 4000
     assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 reaches 0.7: tokens 2, 3 are cut
     assert abs(counts[0] - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
@@ -135,23 +136,24 @@ def test_top_p_samples_only_from_the_nucleus():
 # brorl.py: advantages, loss, normaliser
 
 
-@pytest.mark.parametrize("norm", ["batch", "group"])
+@pytest.mark.parametrize("norm", ["batch", "response", "group"])
 def test_all_equal_groups_get_exactly_zero_advantage(norm):
     g = torch.Generator().manual_seed(0)
     r = (torch.rand(6, 16, generator=g) < 0.4).float()
     r[1], r[4] = 1.0, 0.0  # an all-right and an all-wrong group
-    adv = brorl.compute_advantages(r, norm)
+    lengths = torch.randint(1, 50, (6, 16), generator=g)  # (G, N) valid tokens per response
+    adv = brorl.compute_advantages(r, norm, lengths)
     assert torch.isfinite(adv).all()
     assert (adv[1] == 0).all() and (adv[4] == 0).all()
     assert (adv[0] != 0).any()
-    only_equal = brorl.compute_advantages(torch.ones(3, 4), norm)  # no signal anywhere: no NaN
+    only_equal = brorl.compute_advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
     assert torch.equal(only_equal, torch.zeros(3, 4))
 
 
 def test_advantage_formulas():
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0]])
     centred = r - r.mean(1, keepdim=True)
-    torch.testing.assert_close(brorl.compute_advantages(r, "batch"),
+    torch.testing.assert_close(brorl.compute_advantages(r, "response"),
                                (centred - centred.mean()) / (centred.std() + 1e-6))
     torch.testing.assert_close(brorl.compute_advantages(r, "group"), centred / (r.std(1, keepdim=True) + 1e-6))
 
@@ -264,7 +266,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     model, tok = random_lm
     calls = iter([torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]),  # round 1: 1 of 3 informative
                   torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])])
-    monkeypatch.setattr(brorl, "score", lambda ro, answers, task: next(calls))
+    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: next(calls))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=3, max_new_tokens=2, max_rounds=5)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     rng = random.Random(0)
@@ -283,7 +285,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
 
 def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
     model, tok = random_lm
-    monkeypatch.setattr(brorl, "score", lambda ro, answers, task: torch.zeros(len(ro.prompt_ids), ro.n))
+    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=2, max_new_tokens=2, max_rounds=3)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0),

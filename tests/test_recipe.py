@@ -1,0 +1,305 @@
+"""The recipe at real scale: advantages whitened over tokens, the sampler/trainer drift and its
+truncated importance sampling, exact sampling over a 152k vocabulary, dual-clip, the paper's
+verifier, and the smaller rules of a step (how many groups are asked for, mini-batch sizes, top_p).
+Each test asserts against a reference: a float64 brute force, an exact expectation, a closed form."""
+
+import copy
+import math
+import random
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import brorl
+import data
+import sampler
+import verify
+from test_brorl import PROMPTS, random_lm, run_in_process  # noqa: F401  (random_lm is a fixture)
+
+
+# ----------------------------------------------------------------------------
+# advantages: whitened over the batch's valid response tokens (verl's masked whitening)
+
+
+def masked_whiten_reference(rewards, lengths):
+    """verl's REINFORCE++-baseline, token by token in float64: the group-centred score repeated over each
+    response's valid tokens of a (R, T) grid, then (x - mean) / sqrt(unbiased var + 1e-8) over the mask."""
+    r = rewards.double()
+    centred = (r - r.mean(1, keepdim=True)).flatten()  # (R,)
+    T = int(lengths.max())
+    mask = torch.arange(T)[None] < lengths.flatten()[:, None]  # (R, T)
+    x = centred[:, None].expand(-1, T)[mask]  # (valid tokens,)
+    mean, var = x.mean(), x.var(unbiased=True)
+    return ((centred - mean) / torch.sqrt(var + 1e-8)).view(rewards.shape)  # (G, N), constant along a response
+
+
+def test_batch_norm_whitens_over_tokens_when_lengths_differ():
+    g = torch.Generator().manual_seed(0)
+    r = (torch.rand(5, 16, generator=g) < 0.4).float()
+    r[2] = 1.0  # an all-right group: exactly 0 whatever the batch statistics
+    # right answers short (~20 tokens), wrong ones long (~50): the token-weighted mean of the
+    # group-centred advantages is negative, so token whitening shifts every advantage up
+    lengths = torch.where(r > 0, torch.randint(10, 30, r.shape, generator=g), torch.randint(40, 60, r.shape, generator=g))
+    adv = brorl.compute_advantages(r, "batch", lengths)
+    ref = masked_whiten_reference(r, lengths)
+    informative = r.max(1).values > r.min(1).values
+    torch.testing.assert_close(adv[informative], ref[informative].float(), rtol=1e-5, atol=1e-6)
+    assert (adv[2] == 0).all()
+    # over the valid tokens the advantages have mean 0; the per-response form's do not
+    per_token_mean = lambda a: (a.double() * lengths).sum() / lengths.sum()
+    per_response = brorl.compute_advantages(r, "response", lengths)
+    assert abs(per_token_mean(adv)) < 0.05 < abs(per_token_mean(per_response))
+    assert (adv - per_response).abs().max() > 0.1  # the two forms differ by more than rounding
+
+
+def test_whitening_sums_add_over_parts():
+    """The batch statistics are sums: adding two halves' gives the whole's (what an all-reduce does)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(8, 4, generator=g), torch.randint(1, 9, (8, 4), generator=g)
+    torch.testing.assert_close(brorl.whiten_sums(x[:3], w[:3]) + brorl.whiten_sums(x[3:], w[3:]), brorl.whiten_sums(x, w))
+    xd, wd = x.double(), w.double()
+    torch.testing.assert_close(brorl.whiten_sums(x, w), torch.stack([(wd * xd).sum(), (wd * xd ** 2).sum(), wd.sum()]))
+
+
+def test_batch_norm_needs_lengths():
+    with pytest.raises(ValueError, match="lengths"):
+        brorl.compute_advantages(torch.tensor([[1.0, 0.0]]), "batch")
+
+
+# ----------------------------------------------------------------------------
+# sampler/trainer drift and truncated importance sampling
+
+
+def _batch(model, tok, n=6, seed=5):
+    ro = brorl.generate(model, tok, PROMPTS[:3], n, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(seed))
+    return brorl.pack_groups([(ro, g, None) for g in range(3)])
+
+
+def _update(model, batch, **cfg_kw):
+    m = copy.deepcopy(model).train()
+    cfg = brorl.Config(**{"n_minibatches": 1, "micro_batch": 7, **cfg_kw})
+    adv = torch.randn(len(batch["resp"]), generator=torch.Generator().manual_seed(6))
+    return brorl.update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv, cfg,
+                               torch.Generator().manual_seed(0))
+
+
+def test_drift_and_tis_weight_are_one_in_float32(random_lm):
+    model, tok = random_lm
+    batch = _batch(model, tok)
+    info = _update(model, batch, old_logp="recompute")  # a trainer forward, in float32: the same numbers
+    assert 0 <= info["drift_max"] < 1e-5 and info["drift_mean"] <= info["drift_max"]
+    with torch.no_grad():
+        old = brorl.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 1.0)  # (R, T)
+    w = brorl.tis_weight(old, batch["sampler_logp"], 2.0)[batch["resp_mask"]]
+    assert (w - 1).abs().max() < 1e-5
+    assert _update(model, batch, old_logp="sampler")["drift_max"] == 0.0  # the sampler's: 0 by construction
+
+
+def test_drift_is_logged_under_bf16_autocast(random_lm):
+    """bf16: the sampler's decode and the trainer's forward round differently, and the log says so."""
+    model, tok = random_lm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        batch = _batch(model, tok)
+        info = _update(model, batch)  # auto: a recompute under autocast
+    assert info["drift_max"] > 1e-3 and 0 < info["drift_mean"] < info["drift_max"]
+
+
+def test_tis_corrects_a_planted_sampler_mismatch():
+    """Tokens drawn by a sampler q that differs from the trainer's p: weighted by p/q, the expected
+    gradient over q's draws is the on-policy one, d/dtheta sum_v p(v) A(v); unweighted it is not.
+    The expectation is exact: every token is a row, weighted by its probability under q."""
+    g = torch.Generator().manual_seed(2)
+    V = 7
+    theta = torch.randn(V, dtype=torch.float64, generator=g).requires_grad_()  # the trainer's logits
+    A = torch.randn(V, dtype=torch.float64, generator=g)  # (V,) each token's advantage
+    logq = F.log_softmax(theta.detach() + torch.randn(V, dtype=torch.float64, generator=g), -1)  # planted
+    exact = torch.autograd.grad(-(F.softmax(theta, -1) * A).sum(), theta)[0]
+
+    def expected_grad(cap):
+        logp = F.log_softmax(theta, -1)[:, None]  # (V, 1): one row per token
+        loss, _ = brorl.ppo_token_loss(logp, logp.detach(), A, 0.2, 0.28)  # ratio 1: the clip is inactive
+        w = brorl.tis_weight(logp.detach(), logq[:, None], cap)  # (V, 1)
+        return torch.autograd.grad((logq.exp() * (loss * w)[:, 0]).sum(), theta)[0]
+
+    assert (F.log_softmax(theta.detach(), -1) - logq).exp().max() < 100  # so a cap of 100 never binds
+    torch.testing.assert_close(expected_grad(cap=100.0), exact)
+    assert (expected_grad(cap=0) - exact).norm() > 0.2 * exact.norm()  # TIS off: biased
+    torch.testing.assert_close(brorl.tis_weight(torch.zeros(3), torch.tensor([-5.0, 0.0, 5.0]), 2.0),
+                               torch.tensor([2.0, 1.0, math.exp(-5)]))  # truncated at C
+
+
+# ----------------------------------------------------------------------------
+# exact sampling over a real vocabulary
+
+
+def peaked_logits(V=151_936, seed=0):
+    """A peaked distribution over Qwen's vocabulary: the top token ~0.997, the rest a long tail."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(V, generator=g)  # (V,)
+    logits[123] = torch.logsumexp(logits, 0) + math.log(0.997 / 0.003)
+    return logits
+
+
+def test_sampler_gives_every_token_its_probability_over_152k_tokens():
+    logits = peaked_logits()[None]  # (1, V)
+    p = F.softmax(logits.double(), -1)[0]  # (V,) the policy, in float64
+    assert p[123] > 0.99 and (p > 0).all()
+    cdf = sampler.sampling_cdf(logits, 1.0, 1.0)[0]  # (V,)
+    widths = torch.diff(cdf, prepend=cdf.new_zeros(1)) / cdf[-1]  # the sampler's effective distribution
+    assert (widths > 0).all()  # every token can be drawn (float32 sums: 127k of them could not)
+    assert (widths - p).abs().sum() < 1e-6  # L1 at rounding level (float32 sums: 1.4e-3)
+    # and pick_tokens draws from exactly these intervals: u at an interval's middle picks its token
+    tail = torch.randperm(len(p), generator=torch.Generator().manual_seed(1))[:64]  # (64,) tail tokens
+    mid = ((cdf[tail] - widths[tail] * cdf[-1] / 2) / cdf[-1])  # (64,)
+    assert torch.equal(sampler.pick_tokens(logits.expand(64, -1), 1.0, 1.0, mid), tail)
+
+
+def test_sampler_never_draws_a_zero_probability_token():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    logits[:, 0] = logits[:, -1] = -math.inf  # p = 0 at both ends
+    u = torch.tensor([0.0, 1e-300, 1 - 2 ** -53, 0.5], dtype=torch.float64)  # (4,) the extremes of [0, 1)
+    toks = sampler.pick_tokens(logits, 1.0, 1.0, u)
+    assert toks[0] == 1 and toks[1] == 1 and toks[2] == 48
+    assert torch.equal(sampler.pick_tokens(logits, 0.0, 1.0, None), logits.argmax(-1))  # greedy: no u
+
+
+def test_sampler_frequencies_match_the_policy():
+    """A chi-square check on 200k draws of one row's distribution: pick_tokens is a sampler of p."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(4)) * 1.5
+    p = F.softmax(logits.double() / 0.7, -1)[0]
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    counts = torch.bincount(sampler.pick_tokens(logits.expand(len(u), -1), 0.7, 1.0, u), minlength=40).double()
+    chi2 = ((counts - len(u) * p) ** 2 / (len(u) * p)).sum().item()
+    assert chi2 < 39 + 5 * math.sqrt(2 * 39)  # 39 degrees of freedom, 5 sigma
+
+
+# ----------------------------------------------------------------------------
+# dual-clip and the log-ratio clamp
+
+
+def test_dual_clip_and_clamp_bound_a_huge_ratio():
+    old = torch.zeros(4, 1)
+    # log-ratios 100 (would overflow to inf), 100, log 5 (> c = 3) and log 2 (< c)
+    logp = torch.tensor([[100.0], [100.0], [math.log(5.0)], [math.log(2.0)]]).requires_grad_()
+    adv = torch.tensor([-1.5, 1.5, -1.0, -1.0])
+    loss, ratio = brorl.ppo_token_loss(logp, old, adv, 0.2, 0.28)  # c = 3, the default
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all() and torch.isfinite(ratio).all()
+    # negative advantage: capped at -c*A (no gradient); positive: clipped at (1+eps_high)*A
+    torch.testing.assert_close(loss[:, 0], torch.tensor([3 * 1.5, -1.28 * 1.5, 3.0, 2.0]))
+    assert logp.grad[0] == 0 and logp.grad[1] == 0 and logp.grad[2] == 0
+    assert logp.grad[3].item() == pytest.approx(2.0)  # d(-r A)/dlogp = -r A, below the cap
+
+
+# ----------------------------------------------------------------------------
+# the verifier: rules, math_verify or both, and the think block the prompt opened
+
+
+@pytest.fixture
+def fake_math_verify(monkeypatch):
+    """A stand-in for math-verify: it says yes to answers spelled 'half' for a gold 1/2, no otherwise."""
+    fake = types.ModuleType("math_verify")
+    fake.parse = lambda text, parsing_timeout=None: text
+    fake.verify = lambda gold, pred, timeout_seconds=None: "half" in pred and "1/2" in gold
+    monkeypatch.setitem(sys.modules, "math_verify", fake)
+    verify._load_math_verify.cache_clear()
+    yield
+    verify._load_math_verify.cache_clear()
+
+
+@pytest.fixture
+def no_math_verify(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes the import fail
+    verify._load_math_verify.cache_clear()
+    yield
+    verify._load_math_verify.cache_clear()
+
+
+def test_math_verify_alone_and_both(fake_math_verify):
+    assert verify.reward("\\boxed{half}", "1/2", verifier="math_verify") == 1.0
+    assert verify.reward("\\boxed{0.5}", "1/2", verifier="math_verify") == 0.0  # the rules are not asked
+    assert verify.reward("\\boxed{0.5}", "1/2", verifier="both") == 1.0
+    assert verify.reward("\\boxed{half}", "1/2", verifier="both") == 1.0
+
+
+def test_the_real_math_verify_accepts_what_the_rules_cannot():
+    pytest.importorskip("math_verify")  # pinned in requirements.txt: the paper's second opinion
+    assert verify.reward("\\boxed{3+2x}", "2x+3", verifier="rules") == 0.0  # no symbolic algebra in the rules
+    assert verify.rewards(["\\boxed{3+2x}", "\\boxed{2x+4}"], ["2x+3"] * 2, verifier="both", workers=1) == [1.0, 0.0]
+    assert verify.reward("<think>\\boxed{3+2x}", "2x+3", verifier="both") == 0.0  # the same extraction rules
+
+
+def test_verifier_flag_defaults_to_the_papers_when_installed(fake_math_verify):
+    math_task = f"math:{data.MATH_SAMPLE}"
+    assert brorl.pick_verifier(brorl.Config(task=math_task)) == "both"
+    assert brorl.pick_verifier(brorl.Config(task=math_task, verifier="math_verify")) == "math_verify"
+    assert brorl.pick_verifier(brorl.Config(task="arith", verifier="both")) == "rules"  # arith: its own rule
+
+
+def test_verifier_flag_without_math_verify(no_math_verify, tmp_path, capsys):
+    math_task = f"math:{data.MATH_SAMPLE}"
+    assert brorl.pick_verifier(brorl.Config(task=math_task)) == "rules"
+    out = tmp_path / "run"
+    code, err = run_in_process(capsys, "--task", math_task, "--verifier", "both", "--out", str(out))
+    assert code == 2 and err.strip() == "error: --verifier both: needs the math-verify package (pip install math-verify)"
+    assert not out.exists()
+
+
+R1_TEMPLATE = ("{% for m in messages %}<|User|>{{ m['content'] }}{% endfor %}"
+               "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}")
+
+
+def test_completion_is_scored_with_the_think_its_prompt_opened():
+    tok = data.build_tokenizer()
+    texts = ["so the answer is \\boxed{5}",  # still thinking: no answer yet
+             "so 5.\n</think>\nThe answer is \\boxed{5}", "</think>\\boxed{4}"]
+
+    def rollouts(tok):
+        ids = sampler.encode_prompt(tok, "What is 2+3?")
+        R = len(texts)
+        zeros = torch.zeros(R, 2)
+        return sampler.Rollouts([ids], zeros.long(), zeros.bool(), zeros, zeros, torch.zeros(R, dtype=torch.bool), texts, R)
+
+    assert brorl.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[1.0, 1.0, 0.0]]  # no think opened
+    tok.chat_template = R1_TEMPLATE  # the prompt ends inside "<think>\n"
+    assert tok.decode(sampler.encode_prompt(tok, "x")).endswith("<think>\n")
+    assert brorl.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[0.0, 1.0, 0.0]]
+
+
+# ----------------------------------------------------------------------------
+# the smaller rules of a step
+
+
+def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
+    asked = []
+
+    def fake_generate(model, tok, prompts, n, *args):
+        asked.append(len(prompts))
+        R = len(prompts) * n
+        return types.SimpleNamespace(prompt_ids=[[1]] * len(prompts), n=n, mask=torch.ones(R, 2, dtype=torch.bool))
+
+    monkeypatch.setattr(brorl, "generate", fake_generate)
+    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
+    cfg = brorl.Config(n_rollouts=4, prompts_per_step=3, dynamic_sampling=False)
+    train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
+    kept, stats = brorl.sample_step_groups(None, None, cfg, train, random.Random(0), None, keep_est=0.5)
+    assert asked == [3] and len(kept) == 3 and stats["groups_generated"] == 3
+
+
+@pytest.mark.parametrize("n_minibatches, sizes", [(4, [3, 3, 2, 2]), (3, [4, 3, 3]), (12, [1] * 10)])
+def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
+    batch = brorl.pack_groups([(ro, g, None) for g in range(2)])  # R = 10 rows
+    seen, weights = [], brorl.loss_weights
+    monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg: (seen.append(len(mask)), weights(mask, agg))[1])
+    _update(model, batch, n_minibatches=n_minibatches)
+    assert seen == sizes  # fewer rows than mini-batches: one row each
+
+
+def test_training_refuses_top_p_below_one():
+    assert brorl.check_config(brorl.Config()) == ""
+    assert brorl.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")

@@ -381,7 +381,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
     tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (R, T)
     m = dict(entropy=ent[valid].mean().item(), clip_frac=0.0, kl=0.0, grad_norm=0.0, max_ratio_dev=0.0,
-             drift_max=drift.max().item() if len(drift) else 0.0, drift_mean=drift.mean().item() if len(drift) else 0.0)
+             drift_max=drift.max().item(), drift_mean=drift.mean().item())  # every row has >= 1 token
     perm = torch.randperm(R, generator=gen_cpu).to(adv.device)
     # even mini-batches (10 rows in 4: 3, 3, 2, 2); fewer rows than n_minibatches: one row each
     minibatches = perm.tensor_split(min(cfg.n_minibatches, R))

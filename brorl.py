@@ -93,9 +93,9 @@ class Config:
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
     # advantages
-    # r - mean_group(r), then: batch = whitened over the batch's valid response TOKENS (verl's REINFORCE++-baseline,
-    # ProRL v2 and BroRL); response = the same over responses, one vote each; group = GRPO's / std_group
-    adv_norm: str = "batch"  # batch, response or group
+    # r - mean_group(r), then whitened (compute_advantages); verl's REINFORCE++-baseline, which ProRL v2 and BroRL
+    # run, whitens over tokens
+    adv_norm: str = "batch"  # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO
     # policy update
     lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
@@ -107,9 +107,9 @@ class Config:
     clip_low: float = 0.2  # PPO eps_low
     clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)
     clip_ratio_c: float = 3.0  # dual-clip (verl): a negative-advantage token's loss is at most -c*A; need c > 1
-    # truncated importance sampling: the policy loss weighted by min(exp(logp_old - logp_sampler), C), correcting
-    # for the sampler's numerics differing from the trainer's; exactly 1 when the old log-probs ARE the sampler's
-    tis_cap: float = 2.0  # C (2 as in verl's TIS examples; the paper does not state it); 0 disables
+    # truncated importance sampling corrects for the sampler's numerics differing from the trainer's; its weight
+    # is exactly 1 when the old log-probs ARE the sampler's (--old_logp sampler)
+    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
     loss_agg: str = "token"  # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy

@@ -1,5 +1,5 @@
 """
-bench.py: the speed benchmark of issue 6. Every figure is measured in one run, on one saved
+bench.py: the speed benchmark (its figures: NOTES.md#speed). Every figure is measured in one run, on one saved
 randomly initialised model (same weights for every contender), with every response forced to
 its full length, and reported as the median of several interleaved repeats (A B A B ...).
 
@@ -49,7 +49,7 @@ import brorl
 import data
 import sampler
 
-# Architectures. "tiny": the CPU bench model of the issue (~2.4M params with the 258-token byte
+# Architectures. "tiny": the CPU bench model (~2.4M params with the 258-token byte
 # vocabulary). "0.5b": Qwen2.5-0.5B's config numbers, randomly initialised (the GPU part).
 ARCHS = {
     "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4,
@@ -58,7 +58,7 @@ ARCHS = {
                  num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
                  rope_theta=1e6, rms_norm_eps=1e-6, vocab_size=151936),
 }
-SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens), from issue 6
+SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens): short and long prompts
 
 
 class NeverEos:
@@ -241,10 +241,9 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
         runs_s = " ".join(f"{r['step_s']:.2f}" for r in res[name, n])
         print(f"{name:>5} {n:>5} | {m['completions_s']:>13.0f} {m['step_s']:>7.2f} {parts} | {m.get(mem, 0):>12.0f} | {runs_s}")
     lo, hi = ns[0], ns[-1]
-    print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x (target <= 1.2x)")
+    print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x")
     for n in ns if trl_python else []:
-        print(f"brorl / TRL completions/s at N={n}: {med['brorl', n]['completions_s'] / med['TRL', n]['completions_s']:.2f}x"
-              + (" (target >= 3x)" if n == hi else ""))
+        print(f"brorl / TRL completions/s at N={n}: {med['brorl', n]['completions_s'] / med['TRL', n]['completions_s']:.2f}x")
     return med
 
 
@@ -290,7 +289,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="brorl speed benchmark (issue 6)")
+    ap = argparse.ArgumentParser(description="brorl speed benchmark")
     ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
@@ -314,7 +313,7 @@ def main():
     if gpu and not torch.cuda.is_available():
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False)")
     device, dtype = (torch.device("cuda"), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
-    # OpenMP's wait policy moves every CPU figure (README, "Speed"): say which one this run had
+    # OpenMP's wait policy moves every CPU figure (NOTES.md#openmps-wait-policy): say which one this run had
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:

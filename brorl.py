@@ -2,14 +2,15 @@
 brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled along the
 *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
-One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL keeps):
+One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
   1. rollout     sample N completions for each prompt (sampler.py). Each prompt is prefilled
                  ONCE; its N rollouts decode against that single copy of its keys/values (cascade
                  attention: the shared prefix read by one batched matmul for all N rows, each
                  rollout's own tokens separately, one exact softmax over both).
   2. reward      verifier (verify.py): 1 correct, 0 otherwise; on math, the rules or Math-Verify (--verifier).
   3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
-     sampling    prompts until B groups survive, or a cap on rounds is hit (reported).
+     sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer:
+                 metrics.jsonl records groups_kept and sample_rounds).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), then whitened over the batch's valid
                  response tokens (default, as verl); or over responses; or GRPO's / std_group.
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
@@ -18,8 +19,8 @@ One step, as implemented (PAPER.md section 2 is the ProRL v2 recipe that BroRL k
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
                  Every log-prob (old, reference, current) goes through kernels.token_logprobs.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
-                 the correct mass Q(x) of a fixed probe set (the quantity the paper's theory is
-                 about); one log line per step, metrics.jsonl and metrics.png in --out; a
+                 the correct mass Q(x) of a fixed probe set (Theorem 1's Q_pos for one prompt:
+                 docs/paper.md §3); one log line per step, metrics.jsonl and metrics.png in --out; a
                  checkpoint at every eval, from which --resume continues the run exactly.
 
 Where this simplifies the paper:
@@ -44,6 +45,7 @@ Run:
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
 (tasks and the embedded model), harness.py (command line, run directory, checkpoints, plots).
+The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
 import copy
@@ -463,7 +465,8 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
 
 def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     """Correct mass Q(x) of each probe prompt, estimated by the pass rate of N rollouts at the
-    training temperature. pass@k(x) = 1 - (1 - Q(x))^k rises with it (PAPER.md section 3)."""
+    training temperature: Theorem 1's Q_pos for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises
+    with it (docs/paper.md §3)."""
     ro = generate(model, tok, [e["prompt"] for e in probe], cfg.n_rollouts, cfg.max_new_tokens,
                   cfg.temperature, cfg.top_p, cfg.max_rows, gen)
     q = score(ro, [e["answer"] for e in probe], probe[0]["task"], cfg.verifier, tok).mean(1)  # (P,)

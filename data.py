@@ -48,7 +48,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema
-# ProRL's math prompt suffix (PAPER.md section 5), joined to the problem by one space as in veRL
+# ProRL's math prompt suffix (docs/paper.md §6), joined to the problem by one space as in veRL
 MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
@@ -320,7 +320,7 @@ def evaluate(model, tok, problems: list[dict], n: int, ks: list[int], **sampling
 def warm_start(cfg: WarmStart):
     """Train the embedded model (addition, then the mixture); return (report, model, tok) with
     its held-out metrics. Fully seeded: the same config and thread count give the same weights (in
-    one process, tested; across processes, measured: README, reproducibility of the build)."""
+    one process, tested; across processes, measured: NOTES.md#building-the-embedded-models)."""
     import torch.nn.functional as F
     torch.set_num_threads(cfg.threads)
     tok = build_tokenizer()
@@ -368,7 +368,7 @@ def warm_start(cfg: WarmStart):
     held_out = arith_problems("test", cfg.eval_prompts, seed=0, digits=cfg.digits)  # seed 0: same for every build
     ks = [1, 8, 64, 512]
     torch.manual_seed(cfg.seed)
-    metrics = dict(  # the rollout temperature; the paper's eval sampling (PAPER.md section 4); greedy
+    metrics = dict(  # the rollout temperature; the paper's eval sampling (docs/paper.md §5); greedy
         temp1=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
         temp06_top_p095=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=0.6, top_k=0, top_p=0.95),
         greedy=evaluate(model, tok, held_out, 1, [1], do_sample=False))

@@ -110,7 +110,7 @@ def read_metrics(out: Path, upto: int) -> list:
 
 
 def log_line(m: dict) -> str:
-    """The one line printed per step (the README shows one)."""
+    """The one line printed per step (README.md#what-you-will-see shows one; tests/test_docs.py checks it)."""
     line = (f"step {m['step']:4d} | reward {m['reward_mean']:.3f} | keep {m['keep_rate']:.2f} | "
             f"ent {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | "
             f"|r-1| {m.get('max_ratio_dev', 0):.1e} drift {m.get('drift_max', 0):.1e} | len {m['resp_len']:.1f} | "

@@ -1,4 +1,4 @@
-"""The mass balance equation of BroRL (arXiv 2510.01180, section 2), checked and simulated.
+"""The mass balance equation of BroRL (arXiv 2510.01180, section 2; docs/paper.md §3), checked and simulated.
 
 The theory needs no language model, so this file stands apart from brorl.py. Read it top to bottom:
 

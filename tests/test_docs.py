@@ -168,7 +168,8 @@ class AnyMetrics(dict):
 def readme_log_line(root: Path) -> str:
     """The example log line: the 'step ...' line of the code block in README's 'What you will see'."""
     md = (root / "README.md").read_text()
-    section = md.split("## What you will see", 1)[1].split("\n## ", 1)[0]
+    assert "\n## What you will see\n" in md, "README.md has no section '## What you will see'"
+    section = md.split("\n## What you will see\n", 1)[1].split("\n## ", 1)[0]
     lines = [ln for block in FENCE.findall(section) for ln in block.splitlines() if ln.startswith("step ")]
     assert len(lines) == 1, f"README.md, 'What you will see': expected one example log line, found {len(lines)}"
     return lines[0]
@@ -224,7 +225,8 @@ def test_the_product_speaks_of_itself():
 def test_readme_lists_every_module():
     """The README's file table names every module at the root and the tests folder."""
     md = (ROOT / "README.md").read_text()
-    table = md.split("## Where to read on", 1)[1]
+    assert "\n## Where to read on\n" in md, "README.md has no section '## Where to read on'"
+    table = md.split("\n## Where to read on\n", 1)[1]
     missing = [p.name for p in ROOT.glob("*.py") if f"`{p.name}`" not in table and p.name != "bench_trl.py"]
     assert missing == [] and "`tests/`" in table, f"not in README's file table: {missing}"
 

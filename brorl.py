@@ -18,7 +18,8 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
                  Every log-prob (old, reference, current) goes through kernels.token_logprobs.
-  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
+  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k,
+                 drawn from the evaluation's own random stream (it never moves the training's);
                  the correct mass Q(x) of a fixed probe set (Theorem 1's Q_pos for one prompt:
                  docs/paper.md §3); one log line per step, metrics.jsonl and metrics.png in --out; a
                  checkpoint at every eval, from which --resume continues the run exactly.
@@ -40,11 +41,14 @@ Run:
   python brorl.py --preset hard                # the correct procedure is rare (~3% of samples)
   python brorl.py --preset paper --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B \
       --task math:agentica-org/DeepScaleR-Preview-Dataset           # the real job, one GPU
+  python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
+  python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
   python brorl.py --help                       # every flag
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
-(tasks and the embedded model), harness.py (command line, run directory, checkpoints, plots).
+(tasks and the embedded model; tasks.py reads real datasets by schema), harness.py (command line,
+run directory, checkpoints, plots, the --eval_only report).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
@@ -79,7 +83,9 @@ from sampler import Rollouts, cache_kwarg, generate  # importing it registers at
 class Config:
     # model and task
     model: str = str(data.EMBEDDED_MODEL)  # HF hub id or local dir (default: the embedded tiny model)
-    task: str = "arith"  # "arith" (embedded addition task) or "math:<.jsonl path or hub dataset id>"
+    task: str = "arith"  # arith (embedded), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
+    eval_task: str = ""  # a separate held-out source, same syntax (all its rows); default: --task's held-out split
+    system_prompt: str = ""  # system message before each prompt (needs a chat template; default: none)
     digits: int = 3  # arith: digits per operand (the difficulty knob)
     dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU, bf16 CUDA
     device: str = "auto"  # auto = cuda if available else cpu
@@ -122,12 +128,14 @@ class Config:
     steps: int = 100  # training steps
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased)
+    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper 16)
+    eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked (N each)
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
     preset: str = ""  # a named bundle of overrides (hard, paper), applied before the other flags
+    eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train nothing
 
 
 # Presets are named bundles of overrides, never a second source of defaults.
@@ -172,6 +180,9 @@ def check_config(cfg: Config) -> str:
         (cfg.dtype in ("auto", "float32", "bfloat16"), f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
         (cfg.steps >= 0 and cfg.eval_every >= 1, "--steps must be >= 0 and --eval_every >= 1"),
         (cfg.max_rounds >= 1, f"--max_rounds {cfg.max_rounds}: need >= 1"),
+        (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1, "--eval_prompts and --eval_samples must be >= 1"),
+        (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
+        (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
     ]
     return next((msg for ok, msg in checks if not ok), "")
 
@@ -211,7 +222,7 @@ def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
         want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling else B - len(kept)
         batch = rng.sample(train_set, want)
         ro = generate(model, tok, [ex["prompt"] for ex in batch], N, cfg.max_new_tokens,
-                      cfg.temperature, cfg.top_p, cfg.max_rows, gen)
+                      cfg.temperature, cfg.top_p, cfg.max_rows, gen, cfg.system_prompt)
         r = score(ro, [ex["answer"] for ex in batch], batch[0]["task"], cfg.verifier, tok)  # (want, N)
         stats["rounds"] += 1
         stats["groups_generated"] += want
@@ -446,20 +457,30 @@ def rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_
 # Evaluation and diagnostics: pass@k and the probe set's correct mass
 
 
+def eval_generator(device, seed: int, step: int) -> torch.Generator:
+    """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
+    evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
+    draws exactly what a run's evaluation at step 0 draws."""
+    return torch.Generator(device=device).manual_seed(random.Random(f"eval-{seed}-{step}").getrandbits(63))
+
+
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
-    pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k)."""
+    pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for
+    k = 1, 2, 4, ... and n itself; the mean length and truncated share of the sampled responses."""
     prompts, answers, task = [e["prompt"] for e in examples], [e["answer"] for e in examples], examples[0]["task"]
-    n = cfg.eval_samples
-    ro = generate(model, tok, prompts, n, cfg.max_new_tokens, 0.6, 0.95, cfg.max_rows, gen)
+    n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
+    ro = generate(model, tok, prompts, n, max_new, 0.6, 0.95, cfg.max_rows, gen, cfg.system_prompt)
     correct = score(ro, answers, task, cfg.verifier, tok)  # (P, n)
-    greedy = score(generate(model, tok, prompts, 1, cfg.max_new_tokens, 0.0, 1.0, cfg.max_rows, gen), answers, task,
-                   cfg.verifier, tok)
-    ks = [2 ** i for i in range(int(math.log2(n)) + 1)]
+    greedy = score(generate(model, tok, prompts, 1, max_new, 0.0, 1.0, cfg.max_rows, gen, cfg.system_prompt),
+                   answers, task, cfg.verifier, tok)  # (P, 1)
+    ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
     for k in ks[1:]:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k) for c in correct.sum(1)) / len(examples)
-    m["eval_pass@k"] = m[f"eval_pass@{ks[-1]}"] if len(ks) > 1 else m["eval_pass@1"]
+    m["eval_pass@k"] = m[f"eval_pass@{n}"]
+    m["eval_resp_len"] = ro.mask.sum().item() / len(ro.texts)  # tokens per sampled response
+    m["eval_truncated"] = ro.truncated.float().mean().item()  # share that hit the length cap
     return m
 
 
@@ -468,7 +489,7 @@ def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     training temperature: Theorem 1's Q_pos for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises
     with it (docs/paper.md §3)."""
     ro = generate(model, tok, [e["prompt"] for e in probe], cfg.n_rollouts, cfg.max_new_tokens,
-                  cfg.temperature, cfg.top_p, cfg.max_rows, gen)
+                  cfg.temperature, cfg.top_p, cfg.max_rows, gen, cfg.system_prompt)
     q = score(ro, [e["answer"] for e in probe], probe[0]["task"], cfg.verifier, tok).mean(1)  # (P,)
     m = {"mass_mean": q.mean().item()}
     if start is not None:
@@ -497,7 +518,10 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
 
 
 def load_policy(name: str, device, flag="--model"):
-    """Model and tokenizer from a hub id or a local dir; one clear line if that is impossible."""
+    """Model and tokenizer from a hub id or a local dir (a run's dir: its checkpoint); one clear
+    line if that is impossible."""
+    if (Path(name) / "ckpt" / "config.json").is_file():
+        name = str(Path(name) / "ckpt")
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")
@@ -514,7 +538,7 @@ def load_policy(name: str, device, flag="--model"):
 def pick_verifier(cfg) -> str:
     """--verifier auto: the paper's (rules or Math-Verify) when math-verify is installed, else rules.
     The arith task has a rule of its own: rules, whatever was asked."""
-    if not cfg.task.startswith("math"):
+    if cfg.task == "arith":
         return "rules"
     try:
         verify._load_math_verify()
@@ -528,7 +552,20 @@ def pick_verifier(cfg) -> str:
     return cfg.verifier
 
 
-def train(cfg: Config) -> list:
+def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
+    """Examples of one split of a task; a bad source or an empty split stops with one line."""
+    try:
+        rows = data.load_task(task, split, seed=cfg.seed, digits=cfg.digits)
+    except (ValueError, OSError) as e:
+        fail(f"{flag} {task}: {e}")
+    if not rows:
+        fail(f"{flag} {task}: its {split} split is empty" + (" (name a held-out source: --eval_task)" * (split == "test")))
+    return rows
+
+
+def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
+    """What a run and --eval_only share: seeds, device and autocast, the data (first: a bad --task
+    fails before anything is written), the fixed eval set, the policy and its tokenizer."""
     hf_logging.disable_progress_bar()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -537,19 +574,40 @@ def train(cfg: Config) -> list:
              "bfloat16": torch.bfloat16}[cfg.dtype]
     # fp32 master weights and AdamW state; matmuls in `dtype` (a bf16 weight would round away lr ~1e-6 updates)
     amp = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    try:  # data first: a bad --task fails before anything is written
-        train_set = data.load_task(cfg.task, "train", seed=cfg.seed, digits=cfg.digits)
-        held_out = data.load_task(cfg.task, "test", seed=cfg.seed, digits=cfg.digits)
-    except (ValueError, OSError) as e:
-        fail(f"--task {cfg.task}: {e}")
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
+    train_set = load_data(cfg, "--task", cfg.task, "train") if with_train_set else None
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all") if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test"))
+    eval_set = random.Random(cfg.seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
+    model, tok = load_policy(policy, device, flag)
+    if cfg.system_prompt and not tok.chat_template:
+        fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
+    return cfg, device, dtype, amp, train_set, eval_set, model, tok
+
+
+def eval_only(cfg: Config) -> dict:
+    """--eval_only: the held-out evaluation of --model, drawn exactly as a run's step-0 evaluation
+    (same eval set, same random stream). No optimizer, no reference, nothing written but eval.json."""
+    cfg, device, dtype, amp, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
+    out = make_run_dir(cfg)
+    t0 = time.perf_counter()
+    with torch.no_grad(), amp():
+        m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
+    report = harness.eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set), time.perf_counter() - t0)
+    harness.write_eval(out / "eval.json", report)
+    print(harness.eval_table(report))
+    return report
+
+
+def train(cfg: Config) -> list:
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
-    model, tok = load_policy(str(ckpt), device, "--resume") if ckpt else load_policy(cfg.model, device)
+    cfg, device, dtype, amp, train_set, eval_set, model, tok = setup(cfg, str(ckpt or cfg.model),
+                                                                     "--resume" if ckpt else "--model")
     out = make_run_dir(cfg)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}; "
-          f"train {len(train_set)} / held-out {len(held_out)} prompts; verifier {cfg.verifier}; run dir {out}")
+          f"train {len(train_set)} prompts, eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)
@@ -558,7 +616,6 @@ def train(cfg: Config) -> list:
     rng = random.Random(cfg.seed)
     gen = torch.Generator(device=device).manual_seed(cfg.seed)
     gen_cpu = torch.Generator().manual_seed(cfg.seed)
-    eval_set = random.Random(cfg.seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
     probe = eval_set[: cfg.probe_prompts]
 
     rows, keep_est, start = [], 0.5, 0
@@ -582,16 +639,17 @@ def train(cfg: Config) -> list:
                      ref=ref_model.state_dict() if ref_model is not None else None)
         save_atomic(model, tok, cfg, state, out / "ckpt")
 
-    def log_eval(q_start=None):
-        """Held-out pass@k, and the probe set's correct mass relative to step 0."""
+    def log_eval(step, q_start=None):
+        """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""
         model.eval()
+        gen_eval = eval_generator(device, cfg.seed, step)
         with amp():
-            m = evaluate(model, tok, eval_set, cfg, gen)
-            q, mq = probe_mass(model, tok, probe, cfg, gen, start=q_start)
+            m = evaluate(model, tok, eval_set, cfg, gen_eval)
+            q, mq = probe_mass(model, tok, probe, cfg, gen_eval, start=q_start)
         return {**m, **mq}, q
 
     if not ckpt:
-        m0, q_start = log_eval()
+        m0, q_start = log_eval(0)
         rows.append({"step": 0, **m0})
         metrics_file.write(json.dumps(rows[0]) + "\n")
         tqdm.write("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
@@ -608,7 +666,7 @@ def train(cfg: Config) -> list:
             ref_model.load_state_dict(model.state_dict())  # ProRL: reset the reference, keep Adam state
         # --- eval, log, checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            m.update(log_eval(q_start)[0])
+            m.update(log_eval(step, q_start)[0])
         rows.append(m)
         metrics_file.write(json.dumps(m) + "\n")
         metrics_file.flush()
@@ -626,4 +684,5 @@ def train(cfg: Config) -> list:
 
 
 if __name__ == "__main__":
-    train(parse_config())
+    config = parse_config()
+    eval_only(config) if config.eval_only else train(config)

@@ -1,6 +1,7 @@
 """
 data.py: what a prompt is. The embedded arithmetic task, the embedded tiny model that is
-warm-started on it, and loaders for real math datasets. Imports nothing from the project.
+warm-started on it, and load_task, the one entry point for every task: real datasets are read by
+schema in tasks.py, the only module of ours this one imports.
 
 The embedded task, "arith" (a toy model of RLVR):
   prompt "123+456=", completion "579" then EOS, gold answer "579" (verify.py task "arith").
@@ -18,7 +19,8 @@ slips most of the rest: pass@1 low, pass@k high. RL has to find and amplify the 
 which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips a+b+1, a+b-1
 and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
 where breadth (many rollouts per prompt, large N) should matter.
-Math tasks ("math:<file or hub id>") are held out the same way, by a hash of the problem text.
+Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
+the problem text, unless a separate held-out source is named (split "all").
 
 The embedded model: a Qwen2ForCausalLM (GQA: 4 query heads, 2 key/value heads, ~0.6M params)
 with a byte-level tokenizer without merges, i.e. one token per character and token id = byte
@@ -44,12 +46,11 @@ from pathlib import Path
 
 import torch
 
+import tasks  # real datasets by schema (imports nothing of ours)
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
-MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema
-# ProRL's math prompt suffix (docs/paper.md §6), joined to the problem by one space as in veRL
-MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
 # ----------------------------------------------------------------------------
@@ -126,84 +127,27 @@ def classify(a: int, b: int, completion: str) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Real math datasets (DeepScaleR schema: problem / answer / solution)
-
-
-def _read_local(path: Path) -> list:
-    """Rows of a local .jsonl / .json / .parquet file. JSON is parsed here, not by `datasets`,
-    so that a bad row is reported by number instead of failing a whole-file type inference."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    if path.suffix == ".parquet":
-        import datasets  # imported lazily: slow, and only real datasets need it
-        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
-    text = path.read_text()
-    if text.lstrip().startswith("["):  # a JSON array of objects
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-    rows = []  # JSON lines; "row i" below is the i-th non-blank line, counted from 1
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: row {len(rows) + 1} (line {lineno}): invalid JSON: {e.msg}") from None
-    return rows
-
-
-def load_math(source: str, split: str = "train", n: int | None = None, problem_key: str = "problem",
-              answer_key: str = "answer", seed: int = 0) -> list[dict]:
-    """Math problems as dict(prompt, answer, task="math"); the prompt is the problem plus ProRL's
-    suffix. `source` is a local .jsonl/.json/.parquet file (one split: `split` is ignored) or a
-    hub dataset id loaded with datasets.load_dataset(source, split=split). n=None: every row in
-    order; else n rows drawn with `seed`. Any bad row raises ValueError naming it: no row is
-    skipped silently."""
-    if source.endswith((".jsonl", ".json", ".parquet")):
-        rows = _read_local(Path(source))
-    else:
-        import datasets
-        rows = datasets.load_dataset(source, split=split)
-    out = []
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise ValueError(f"{source}: row {i}: expected a JSON object, got {type(row).__name__}")
-        for key in (problem_key, answer_key):
-            v = row.get(key)
-            if v is None:
-                raise ValueError(f"{source}: row {i}: missing key '{key}' (keys: {sorted(row)})")
-            if not isinstance(v, str) or not v.strip():
-                raise ValueError(f"{source}: row {i}: '{key}' must be a non-empty string, got {v!r}")
-        out.append(dict(prompt=f"{row[problem_key].strip()} {MATH_SUFFIX}", answer=row[answer_key].strip(), task="math"))
-    if n is not None:
-        if n > len(out):
-            raise ValueError(f"{source}: asked for {n} rows, it has {len(out)}")
-        out = random.Random(seed).sample(out, n)
-    return out
-
-
-# ----------------------------------------------------------------------------
 # One entry point for brorl.py
 
 
 def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits: int = 3) -> list[dict]:
-    """Examples dict(prompt, answer, task) for task "arith" or "math:<file or hub id>". split is
-    "train" or "test", held out by a hash of the problem text for both tasks (for math, of the
-    source's single file or its hub "train" split). n=None: every math row of the split, or
-    ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    """Examples dict(prompt, answer, task) for task "arith" or "<schema>:<source>" (gsm8k:, math:;
+    tasks.py reads them). split "train" or "test" is held out by a hash of the problem text (for a
+    dataset, of all its rows: one file, or one hub split); "all" is every row of a dataset (a
+    separate held-out source, --eval_task). n=None: every row of the split, or ARITH_DEFAULT_N
+    arith problems; else n drawn with `seed`."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     if task == "arith":
         if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
             raise ValueError(f"arith digits must be in 1..20, got {digits}")
+        if split == "all":
+            raise ValueError("arith has no split 'all': its problems are generated per split")
         return arith_problems(split, ARITH_DEFAULT_N[split] if n is None else n, seed, digits)
-    if task.startswith("math:") and len(task) > 5:
-        rows = [r for r in load_math(task[5:]) if split_of(r["prompt"]) == split]
-        if n is not None and n > len(rows):
-            raise ValueError(f"{task[5:]}: asked for {n} {split} rows, it has {len(rows)}")
-        return rows if n is None else random.Random(seed).sample(rows, n)
-    raise ValueError(f"unknown task {task!r}: use 'arith' or 'math:<.jsonl/.json/.parquet path or hub dataset id>'")
+    rows = [r for r in tasks.load(task) if split in ("all", split_of(r["prompt"]))]
+    if n is not None and n > len(rows):
+        raise ValueError(f"{task}: asked for {n} {split} rows, it has {len(rows)}")
+    return rows if n is None else random.Random(seed).sample(rows, n)
 
 
 # ----------------------------------------------------------------------------

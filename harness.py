@@ -52,8 +52,9 @@ def parse_config(config_cls, presets: dict, check, description: str, argv=None):
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
         text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
-        parser.add_argument(f"--{f.name}", type=parse_bool if f.type is bool else f.type, default=None,
-                            help=text.replace("%", "%%"), metavar=f.type.__name__.upper())
+        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
+        parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
+                            metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(argv))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")
@@ -158,3 +159,45 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------
+# --eval_only: eval.json and the printed table
+
+
+def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
+    """The eval.json of --eval_only. metrics: {benchmark: evaluate()'s dict}; the report keeps, per
+    benchmark, the prompts and samples it rests on, pass@k by k, greedy pass@1, the sampled responses'
+    mean length (tokens) and the share that hit the length cap."""
+    benchmarks = {}
+    for name, m in metrics.items():
+        ks = sorted(int(k[len("eval_pass@"):]) for k in m if re.fullmatch(r"eval_pass@[0-9]+", k))
+        benchmarks[name] = {"prompts": prompts, "samples": cfg.eval_samples,
+                            "pass@k": {str(k): m[f"eval_pass@{k}"] for k in ks},
+                            "greedy_pass@1": m["eval_greedy_pass@1"], "mean_response_tokens": m["eval_resp_len"],
+                            "truncation_rate": m["eval_truncated"]}
+    sampling = dict(temperature=0.6, top_p=0.95, samples=cfg.eval_samples,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, seed=cfg.seed)
+    return dict(model=cfg.model, sampling=sampling, seconds=round(seconds, 2), benchmarks=benchmarks,
+                config=dataclasses.asdict(cfg))
+
+
+def write_eval(path: Path, report: dict):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def eval_table(report: dict) -> str:
+    """One row per benchmark: pass@k for every k, greedy, mean response length, truncation rate."""
+    ks = sorted({int(k) for b in report["benchmarks"].values() for k in b["pass@k"]})
+    s = report["sampling"]
+    head = (f"{report['model']}: pass@k of {s['samples']} samples at T={s['temperature']}, top_p={s['top_p']}, "
+            f"<= {s['max_new_tokens']} new tokens; greedy; {report['seconds']:.1f}s")
+    cols = ["benchmark", "prompts", *[f"pass@{k}" for k in ks], "greedy", "len", "trunc"]
+    rows = [[name, str(b["prompts"]), *[f"{b['pass@k'].get(str(k), float('nan')):.3f}" for k in ks],
+             f"{b['greedy_pass@1']:.3f}", f"{b['mean_response_tokens']:.1f}", f"{b['truncation_rate']:.3f}"]
+            for name, b in report["benchmarks"].items()]
+    width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width)))
+    return "\n".join([head, line(cols), *map(line, rows)])

@@ -18,7 +18,7 @@ Any Hugging Face decoder with full attention works: importing this module regist
 attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
 AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
-    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts
+    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen, system_prompt='') -> Rollouts
 """
 
 import functools
@@ -238,9 +238,9 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
     return tokens, mask, logp, entropy, truncated
 
 
-def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen) -> Rollouts:
+def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen, system_prompt="") -> Rollouts:
     """N rollouts for each prompt string, decoded in chunks of <= max_rows rows."""
-    prompt_ids = [encode_prompt(tok, p) for p in prompts]
+    prompt_ids = [encode_prompt(tok, p, system_prompt) for p in prompts]
     if n <= max_rows:  # whole groups per chunk
         per = max_rows // n
         jobs = [(prompt_ids[i: i + per], n) for i in range(0, len(prompt_ids), per)]
@@ -258,9 +258,15 @@ def listify(x) -> list:
     return x if isinstance(x, list) else [x]
 
 
-def encode_prompt(tok, prompt: str) -> list:
-    """Token ids of a prompt; chat models get their chat template."""
+def encode_prompt(tok, prompt: str, system_prompt: str = "") -> list:
+    """Token ids of a prompt. A tokenizer with a chat template gets it: the prompt as the user's
+    message (after the system prompt, if one is given), then the assistant's turn opened; else the
+    prompt's own tokens (a system prompt there is an error: there is no turn to put it in)."""
     if tok.chat_template:
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"])
+        chat = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        chat.append({"role": "user", "content": prompt})
+        return list(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+    if system_prompt:
+        raise ValueError("--system_prompt needs a tokenizer with a chat template")
     return tok(prompt, add_special_tokens=True)["input_ids"]

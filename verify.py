@@ -19,8 +19,13 @@ Extraction, in order; each fallback can be switched off
   0. Only text after the last "</think>" counts; an unclosed "<think>" means no answer yet.
   1. boxed: the last \boxed{...} or \fbox{...} (or "\boxed 5"), braces balanced, \{ \} skipped.
      If a box exists it decides: empty, unclosed or > MAX_ANSWER chars -> None (truncated,
-     scores 0), never an earlier box. Of several boxes only the last counts, so boxing every
-     candidate gains nothing over committing to the last.
+     scores 0), never an earlier box. Several boxes: the last box and the boxes just before
+     it that only connectives separate from it (spaces, commas, $ or \( \), "and", \quad, a
+     label such as "y =": 'x = \boxed{2}, y = \boxed{3}', '\boxed{3} and \boxed{5}') are ONE
+     answer, their contents joined by ', ' (a bare comma list, so a set; a repeated box counts
+     once). Boxes apart ('\boxed{4}. Wait, \boxed{5}', '\boxed{3} or \boxed{5}'): the last
+     decides. Boxing every candidate gains nothing: joined they are a set, never equal to a
+     scalar gold, and equal to a list gold only if exactly its elements were boxed.
   2. answer_tag: the last <answer>...</answer>.  3. gsm8k: the line after the last "####".
   4. answer_is: after the last "answer is", to the end of the sentence.
   Fallbacks 2-4 read only the last TAIL characters.
@@ -30,25 +35,31 @@ Normalisation, both sides, in order (_normalize, cached)
      slash -> '/'; the pi, infinity and root signs -> \pi \infty \sqrt; the degree sign dropped;
      other decimal digits (fullwidth, Arabic-Indic, ...) -> ASCII (same value: nothing to gain).
      Any other non-ASCII, superscripts included, stays and can only match itself.
-  2. One pass: $ \$ \! {,} \left \right \big.. \displaystyle ^\circ \circ \degree % \% dropped
-     (so 1,\!000 is 1000 and 50% == 50); \, \; \: \quad ~ become spaces; \dfrac \tfrac \cfrac
-     -> \frac; \cdot \times -> *; \div -> /.
+  2. One pass: $ \$ \! {,} { , } \left \right \big.. \displaystyle ^\circ \circ \degree % \%
+     and the math delimiters \( \) \[ \] dropped (so 1,\!000 is 1000, 14 {, }916 is 14916,
+     \(5\) is 5 and 50% == 50); a comma then \! is a thousands comma, whatever spaces follow
+     (32,\! 349 is 32349); \, \; \: \quad ~ become spaces; \dfrac \tfrac \cfrac -> \frac;
+     \cdot \times -> *; \div -> /.
   3. \text{} \textbf{} \mathrm{} \mbox{} ... unwrapped, or dropped (with a ^2/^3 after them)
      when they hold a unit word.
-  4. A trailing unit word (cm, meters, degrees, dollars, hours, square units, ...) after a
-     number or a space; a one-letter unit (m, s, g, h, l) only after a space.
+  4. A trailing unit word (cm, meters, degrees, dollars, hours, square units, percent, pct,
+     percentage, ...) after a number or a space; a one-letter unit (m, s, g, h, l) only after a
+     space.
   5. Thousands: a whole answer like 12,345 or 1,234.5 loses its commas ('1, 234' is a list).
   6. Mixed numbers: a whole answer '2 1/2' or '2\frac{1}{2}' is 2 + 1/2.
   7. Spaces removed; an enclosing \boxed{} or {} unwrapped; \frac12 -> \frac{1}{2}, \sqrt2 ->
-     \sqrt{2}; a leading 'x =' or 'x \in' (a letter or command, optional subscript) dropped
-     when it is the only '='; a trailing '.' dropped.
+     \sqrt{2}; a label on the left of the only '=' dropped: letters, commands, subscripts,
+     primes and ( ) , + - * between them, no digit outside a subscript ('x =', 'a_1 =',
+     '(p, q) =', 'f(x) =', 'm\angle ABC ='; '2x = 6' stays); a leading 'x \in' (a letter or
+     command, optional subscript) dropped when there is no '='; a trailing '.' dropped.
 
 Equivalence, the first rule that applies decides
   1. Same string, or two plain integers equal as integers (the fast path, before normalising).
   2. Same normalised string.
   3. A gold choice letter A-J ('C', '(C)'): the answer must be exactly that one letter.
   4. Structure: 'a \cup b' a union, \{...\} or a bare comma list a set (both unordered, each
-     element used once); (...) or [...] with a comma a tuple or interval: bracket types must
+     element used once; graders differ on a bare list, we read it as a set: it answers "find
+     all ..." questions, whose order is not asked for, and an ordered answer comes in brackets); (...) or [...] with a comma a tuple or interval: bracket types must
      match ((1,2) != [1,2] != (1,2]), elements in order. A structure never equals a scalar: a
      box listing all candidates ('1, 2, 3') does not match '2', nor does '\{2\}'.
   5. Numbers: _Expr, a small recursive-descent parser (+ - * / ^, parentheses, \frac, \sqrt{},
@@ -95,6 +106,10 @@ TASKS, VERIFIERS = ("math", "arith"), ("rules", "math_verify", "both")
 
 _SPACES, _BARE_BOX = re.compile(r" *"), re.compile(r"[^\s$]{1,%d}" % (MAX_ANSWER + 1))
 _ANSWER_IS = ("answer is", "Answer is", "ANSWER IS")  # not .lower(): it can change lengths
+# What may separate boxes that are one answer: spaces, commas, $ and \( \) delimiters, "and", \quad,
+# and a label before the next box ("x = \boxed{2}, y = \boxed{3}"); not "or", not a sentence.
+_BOX_GAP = re.compile(r"(?:[\s$,;]|\\[(),;]|\\q?quad|and|\\text\{\s*and\s*\}"
+                      r"|(?<![a-zA-Z])[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?\s*=)*")
 _SENTENCE = re.compile(r"[\s:]*(.*?)(?:\.\s|\n|\.?\Z)")  # "answer is: $5$." -> "$5$"
 
 
@@ -110,7 +125,7 @@ def extract_answer(text, *, boxed=True, answer_tag=True, gsm8k=True, answer_is=T
     if boxed:
         start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
         if start >= 0:
-            return _read_box(text, start)
+            return _read_boxes(text, start)
     tail = text[-TAIL:]
     if answer_tag:
         close = tail.rfind("</answer>")
@@ -124,12 +139,33 @@ def extract_answer(text, *, boxed=True, answer_tag=True, gsm8k=True, answer_is=T
     return None
 
 
+def _read_boxes(text, start):
+    """The last box, joined (', ') with the boxes just before it that only connectives separate."""
+    answer, _ = _read_box(text, start)
+    answers = [answer]
+    while answer is not None and len(answers) < MAX_ITEMS:
+        if "}" not in text[max(0, start - 48):start]:  # no box closes just before: the usual case
+            break
+        lo = max(0, start - 56 - MAX_ANSWER)  # where a box that closes within 48 chars can start
+        prev = max(text.rfind("\\boxed", lo, start), text.rfind("\\fbox", lo, start))
+        if prev < 0:
+            break
+        answer, end = _read_box(text, prev)
+        if answer is None or end > start or start - end > 48 or not _BOX_GAP.fullmatch(text, end, start):
+            break
+        if answer not in answers:  # the same box twice is one answer
+            answers.append(answer)
+        start = prev
+    return answers[0] if len(answers) == 1 else ", ".join(reversed(answers))
+
+
 def _read_box(text, start):
+    """(the box's content or None, the index just past it)."""
     i = start + (6 if text.startswith("\\boxed", start) else 5)  # len("\\boxed"), len("\\fbox")
     j = _SPACES.match(text, i).end()
     if not text.startswith("{", j):
         m = _BARE_BOX.match(text, j) if j > i else None  # "\boxed 5"
-        return _clean(m.group()) if m else None
+        return (_clean(m.group()), m.end()) if m else (None, j)
     window = text[j + 1:j + 2 + MAX_ANSWER]  # an answer longer than this is no answer
     # Mask escapes with same-length blanks (\\ first, so \\} is a newline then a real brace);
     # the box closes at the first } with as many { before it as } (counted in C, not a loop).
@@ -137,9 +173,9 @@ def _read_box(text, start):
     close = masked.find("}")
     while close >= 0:
         if masked.count("{", 0, close) == masked.count("}", 0, close):
-            return _clean(window[:close])
+            return _clean(window[:close]), j + 2 + close
         close = masked.find("}", close + 1)
-    return None  # unbalanced within MAX_ANSWER: truncated
+    return None, len(text)  # unbalanced within MAX_ANSWER: truncated
 
 
 def _clean(s):
@@ -158,15 +194,16 @@ _UNITS = set("""cm mm km m meter meters metre metres centimeter centimeters kilo
     degree degrees rad radian radians s sec second seconds min minute minutes h hr hrs hour hours
     day days week weeks month months year years dollar dollars cent cents percent g gram grams kg
     kilogram kilograms lb lbs pound pounds oz ounce ounces l liter liters litre litres ml mph
+    pct percentage percentages
     """.split())
 _REWRITES = {  # LaTeX that only needs a rewrite, done in one regex pass
     **dict.fromkeys(("\\left", "\\right", "\\big", "\\Big", "\\bigg", "\\Bigg", "\\bigl", "\\bigr",
                      "\\Bigl", "\\Bigr", "\\displaystyle", "\\!", "\\$", "$", "\\%", "%", "{,}",
-                     "\\circ", "\\degree"), ""),
+                     "\\circ", "\\degree", "\\(", "\\)", "\\[", "\\]"), ""),
     **dict.fromkeys(("\\,", "\\;", "\\:", "\\ ", "\\quad", "\\qquad", "~"), " "),
     **dict.fromkeys(("\\dfrac", "\\tfrac", "\\cfrac"), "\\frac"),
     "\\cdot": "*", "\\times": "*", "\\div": "/"}
-_COMMAND = re.compile(r"\^\{?\\circ\}?|\\[a-zA-Z]+|\\[,;: !$%]|[$%~]|\{,\}")
+_COMMAND = re.compile(r",\s*\\!\s*|\{,\s*\}|\^\{?\\circ\}?|\\[a-zA-Z]+|\\[,;: !$%()\[\]]|[$%~]")
 _POWER = r"(?:\^\{?[23]\}?)?"  # cm^2, cm^{3}
 _TEXT = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|boldsymbol"
                    rf"|mbox|operatorname)\s*\{{([^{{}}]*)\}}({_POWER})")
@@ -176,7 +213,9 @@ _MIXED = re.compile(r"(-?)([0-9]+)\s+([0-9]+)/([0-9]+)")
 _MIXED_TEX = re.compile(r"(-?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")
 _BARE_ARG = re.compile(r"\\(frac|sqrt)([0-9])")     # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
 _BARE_ARG2 = re.compile(r"(\\frac\{[^{}]*\})([0-9])")  # \frac{1}2 -> \frac{1}{2}
-_LHS = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?(?:=|\\in(?![a-zA-Z]))")
+_LHS = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?\\in(?![a-zA-Z])")  # x \in
+# a label: letters, commands, subscripts, primes, and ( ) , + - * between them; no digit but in a subscript
+_LABEL = re.compile(r"(?:[a-zA-Z(]|\\[a-zA-Z]+)(?:[a-zA-Z(),+\-*']|\\[a-zA-Z]+|_\{?[a-zA-Z0-9]+\}?)*=")
 
 
 def _to_ascii(s):
@@ -187,7 +226,9 @@ def _to_ascii(s):
 
 def _rewrite(m):
     t = m.group()
-    return "" if t[0] == "^" else _REWRITES.get(t, t)  # ^\circ, ^{\circ} -> ""
+    if t[0] in "^{,":  # ^\circ, ^{\circ}, {,}, { , } -> ""; a thousands separator ',\! ' -> ','
+        return "," if t[0] == "," else ""
+    return _REWRITES.get(t, t)
 
 
 def _is_unit(words):
@@ -236,8 +277,10 @@ def _normalize(s):
         if m := _MIXED_TEX.fullmatch(s):
             s = f"{m[1]}({m[2]}+{m[3]}/{m[4]})"
         s = _BARE_ARG2.sub(r"\1{\2}", _BARE_ARG.sub(r"\\\1{\2}", s))
-    if ("=" in s or "\\in" in s) and s.count("=") <= 1 and (m := _LHS.match(s)):
+    if s.count("=") == 1 and (m := _LABEL.match(s)) and re.search("[a-zA-Z]", m.group()):
         s = s[m.end():] or s  # 'x =' alone stays
+    elif "\\in" in s and "=" not in s and (m := _LHS.match(s)):
+        s = s[m.end():] or s
     return s[:-1] if s.endswith(".") else s
 
 

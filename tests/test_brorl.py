@@ -396,6 +396,7 @@ import pytest
 import torch
 
 import data
+import tasks
 
 
 # ----------------------------------------------------------------------------
@@ -515,14 +516,14 @@ def test_warm_start_is_reproducible(tmp_path):
 
 
 def test_load_math_sample():
-    rows = data.load_math(str(data.MATH_SAMPLE))
+    rows = tasks.load(f"math:{tasks.MATH_SAMPLE}")
     assert len(rows) == 16 and all(r["task"] == "math" and r["answer"] for r in rows)
-    train, test = (data.load_task(f"math:{data.MATH_SAMPLE}", s) for s in ("train", "test"))
+    train, test = (data.load_task(f"math:{tasks.MATH_SAMPLE}", s) for s in ("train", "test"))
     assert len(train) + len(test) == 16 and test and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
-    assert all(r["prompt"].endswith(" " + data.MATH_SUFFIX) for r in rows)
-    assert data.MATH_SUFFIX == "Let's think step by step and output the final answer within \\boxed{}."
-    some = data.load_math(str(data.MATH_SAMPLE), n=4, seed=1)
-    assert some == data.load_math(str(data.MATH_SAMPLE), n=4, seed=1) and len(some) == 4
+    assert all(r["prompt"].endswith(" " + tasks.MATH_SUFFIX) for r in rows)
+    assert tasks.MATH_SUFFIX == "Let's think step by step and output the final answer within \\boxed{}."
+    some = data.load_task(f"math:{tasks.MATH_SAMPLE}", "all", n=4, seed=1)
+    assert some == data.load_task(f"math:{tasks.MATH_SAMPLE}", "all", n=4, seed=1) and len(some) == 4
     assert {"\\frac{1}{6}", "8\\sqrt{2}", "(3, 2)", "-i"} <= {r["answer"] for r in rows}  # answer kinds
 
 
@@ -530,7 +531,7 @@ def test_load_math_sample():
     (['{"problem": "p", "answer": "1"}', '{"problem": "q", "answer": "2"}', '{"problem": "r"}'],
      r"row 3: missing key 'answer'"),
     (['{"problem": "p", "answer": "1"}', '{"problem": "q", "answer": "  "}'], r"row 2: 'answer' must be a non-empty string"),
-    (['{"problem": "p", "answer": 42}'], r"row 1: 'answer' must be a non-empty string, got 42"),
+    (['{"problem": "p", "answer": [42]}'], r"row 1: 'answer' must be a non-empty string, got \[42\]"),
     (['{"problem": "p", "answer": "1"}', '', '{"problem": "p", "answer": "1"'], r"row 2 \(line 3\): invalid JSON"),
     (['["p", "1"]'], r"row 1: expected a JSON object"),
     (['{"question": "p", "answer": "1"}'], r"row 1: missing key 'problem'"),
@@ -539,14 +540,14 @@ def test_load_math_bad_rows_name_file_and_row(tmp_path, lines, match):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + match):
-        data.load_math(str(path))
+        tasks.load(f"math:{path}")
 
 
 def test_load_math_json_array_and_missing_file(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]))
     with pytest.raises(ValueError, match=r"rows.json: row 2: missing key 'answer'"):
-        data.load_math(str(path))
+        tasks.load(f"math:{path}")
     with pytest.raises(ValueError, match="no such file"):
         data.load_task(f"math:{tmp_path / 'absent.jsonl'}", "train")
 
@@ -1004,8 +1005,9 @@ def timed(fn, *args, repeats=3):
 MB = 1 << 20
 PROMPT = "What is 2+3? Let's think step by step and output the final answer within \\boxed{}."
 RED_TEAM = [  # (completion, gold, expected reward)
-    ("\\boxed{3} \\boxed{4}", "3", 0.0),  # several boxes: only the last counts
-    ("\\boxed{3} \\boxed{4}", "4", 1.0),
+    ("\\boxed{3} \\boxed{4}", "3", 0.0),  # adjacent boxes are one answer, the list 3, 4
+    ("\\boxed{3} \\boxed{4}", "4", 0.0),
+    ("\\boxed{3}. No, \\boxed{4}", "4", 1.0),  # boxes apart: only the last counts
     (" ".join(f"\\boxed{{{i}}}" for i in range(100)), "42", 0.0),  # every candidate boxed
     ("\\boxed{" + ", ".join(map(str, range(100))) + "}", "42", 0.0),  # a boxed list of all
     ("\\boxed{" + ", ".join(map(str, range(10000))) + "}", "42", 0.0),  # ... longer than a box

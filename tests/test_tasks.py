@@ -1,0 +1,262 @@
+"""Real datasets by schema (tasks.py, data.load_task), prompts as a model sees them, --eval_only,
+the evaluation's own random stream, and the verifier on the families real model outputs use."""
+
+import json
+import os
+import re
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+
+import brorl
+import data
+import sampler
+import tasks
+import verify
+
+GSM8K = [  # GSM8K's own schema: a worked answer ending in "#### <number>"
+    {"question": "Ann has 3,000 pens and buys 4,029 more. How many pens?", "answer": "3000+4029=<<3000+4029=7029>>7029\n#### 7,029"},
+    {"question": "A 5 m rope is cut in half. How long is a piece?", "answer": "5/2=2.5\n#### 2.5"},
+    {"question": "It was 4 degrees, then fell 9. What is it now?", "answer": "4-9=-5\n####-5"},
+    {"question": "What is 12 * 11?", "answer": "#### 132"},
+]
+MATH = [  # MATH / MATH-500: answer, or only a solution whose last box is the gold
+    {"problem": "Compute $\\frac{1}{2}+\\frac{1}{3}$.", "answer": "\\frac{5}{6}"},
+    {"problem": "Solve $x^2=9$, $x>0$.", "solution": "So $x=\\boxed{3}$ (not \\boxed{-3})."},
+    {"problem": "Find $(p,q)$.", "solution": "We get $\\boxed{\\left(1, \\{2\\}\\right)}$.", "answer": None},
+    {"problem": "AIME-style: how many?", "answer": 204},  # integer answers, as AIME sets store them
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ----------------------------------------------------------------------------
+# schemas and sources
+
+
+def test_gsm8k_gold_is_the_final_number_alone(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
+    rows = data.load_task(f"gsm8k:{path}", "all")
+    assert [r["answer"] for r in rows] == ["7029", "2.5", "-5", "132"]
+    assert rows[0]["prompt"] == GSM8K[0]["question"] + " " + tasks.MATH_SUFFIX and rows[0]["task"] == "math"
+    train, test = data.load_task(f"gsm8k:{path}", "train"), data.load_task(f"gsm8k:{path}", "test")
+    assert sorted(map(str, train + test)) == sorted(map(str, rows))  # the hash split partitions the rows
+
+
+def test_math_gold_from_answer_or_the_solutions_last_box(tmp_path):
+    rows = data.load_task(f"math:{write_jsonl(tmp_path / 'math.jsonl', MATH)}", "all")
+    assert [r["answer"] for r in rows] == ["\\frac{5}{6}", "-3", "\\left(1, \\{2\\}\\right)", "204"]
+    assert all(r["prompt"].endswith(" " + tasks.MATH_SUFFIX) for r in rows)
+    # the gold reads as the verifier reads a model's answer: the same last box
+    for row, ex in zip(MATH, rows):
+        if row.get("solution"):
+            assert verify.extract_answer(row["solution"]) == ex["answer"]
+
+
+def test_deepscaler_sample_and_json_array(tmp_path):
+    rows = tasks.load(f"math:{tasks.MATH_SAMPLE}")  # DeepScaleR's schema is the math schema
+    assert len(rows) == 16
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(GSM8K))
+    assert [r["answer"] for r in tasks.load(f"gsm8k:{path}")] == ["7029", "2.5", "-5", "132"]
+
+
+def test_parquet_through_datasets(tmp_path):
+    import datasets
+    path = tmp_path / "math.parquet"
+    datasets.Dataset.from_list([{"problem": f"What is {i}+{i}?", "answer": str(2 * i), "level": i % 3}
+                                for i in range(7)]).to_parquet(str(path))
+    rows = data.load_task(f"math:{path}", "all")
+    assert [r["answer"] for r in rows] == [str(2 * i) for i in range(7)]
+    assert rows[3]["prompt"] == f"What is 3+3? {tasks.MATH_SUFFIX}"
+
+
+def test_hub_source_spec_is_parsed(monkeypatch):
+    import datasets
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [{"problem": "p", "answer": "1"}])
+    tasks.load("math:HuggingFaceH4/MATH-500@test")
+    tasks.load("math:org/set:cfg")
+    tasks.load("math:openai/gsm8k:main@test")
+    assert calls == [(("HuggingFaceH4/MATH-500", None), {"split": "test"}), (("org/set", "cfg"), {"split": "train"}),
+                     (("openai/gsm8k", "main"), {"split": "test"})]
+
+
+@pytest.mark.parametrize("schema, rows, match", [
+    ("gsm8k", GSM8K[:2] + [{"question": "q", "answer": "no final line"}], r"row 3: 'answer' must end in '#### <number>'"),
+    ("gsm8k", GSM8K[:1] + [{"question": "q", "answer": "#### twelve"}], r"row 2: 'answer' must end in '#### <number>'"),
+    ("gsm8k", [{"problem": "p", "answer": "#### 1"}], r"row 1: missing key 'question'"),
+    ("math", MATH[:1] + [{"problem": "p", "solution": "no box here"}], r"row 2: no 'answer', and its 'solution' has no closed"),
+    ("math", [{"problem": "p", "solution": "\\boxed{unclosed"}], r"row 1: no 'answer'"),
+    ("math", [{"problem": "p", "answer": True}], r"row 1: 'answer' must be a non-empty string, got True"),
+    ("math", [{"problem": "  ", "answer": "1"}], r"row 1: 'problem' must be a non-empty string"),
+    ("math", [["p", "1"]], r"row 1: expected a JSON object"),
+])
+def test_bad_rows_name_the_file_and_row(tmp_path, schema, rows, match):
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + match):
+        data.load_task(f"{schema}:{path}", "train")
+
+
+def test_a_file_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    lines = [json.dumps(r) for r in MATH[:2]] + ['{"problem": "caf\u00e9?", "answer": "1"}']
+    path.write_bytes("\n".join(lines[:2]).encode() + b"\n" + lines[2].encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": line 3 is not UTF-8"):
+        tasks.load(f"math:{path}")
+
+
+@pytest.mark.parametrize("task, split, match", [
+    ("gsm8k:", "train", "unknown task"), ("mmlu:x.jsonl", "train", "unknown task"),
+    ("arith", "all", "no split 'all'"), ("math:/no/such.jsonl", "train", "no such file"),
+    (f"math:{tasks.MATH_SAMPLE}", "validation", "split"),
+])
+def test_load_task_errors(task, split, match):
+    with pytest.raises(ValueError, match=match):
+        data.load_task(task, split)
+
+
+# ----------------------------------------------------------------------------
+# prompts as the model sees them
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_prompt_text_with_and_without_a_chat_template():
+    tok = data.build_tokenizer()  # the embedded byte-level tokenizer: one token per character
+    prompt = tasks.load(f"math:{tasks.MATH_SAMPLE}")[0]["prompt"]
+    ids = sampler.encode_prompt(tok, prompt)
+    assert tok.decode(ids) == prompt  # no template: the problem and ProRL's suffix, nothing else
+    with pytest.raises(ValueError, match="chat template"):
+        sampler.encode_prompt(tok, prompt, system_prompt="Be brief.")
+    tok.chat_template = CHATML
+    text = tok.decode(sampler.encode_prompt(tok, prompt, system_prompt="Be brief."))
+    assert text == (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{prompt}<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert tok.decode(sampler.encode_prompt(tok, prompt)).startswith("<|im_start|>user\n")
+
+
+# ----------------------------------------------------------------------------
+# end to end on the CPU: a gsm8k run, --eval_only, the evaluation's own random stream
+
+TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--max_rounds", "2", "--eval_prompts", "3",
+        "--eval_samples", "6", "--probe_prompts", "2", "--max_new_tokens", "6", "--max_rows", "64"]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_file(tmp_path_factory):
+    rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b:,}"} for a in range(480, 520) for b in (511, 620)]
+    return write_jsonl(tmp_path_factory.mktemp("gsm8k") / "gsm8k.jsonl", rows)
+
+
+def test_gsm8k_run_then_eval_only_of_its_checkpoint(tmp_path, gsm8k_file, capsys):
+    run, ev = tmp_path / "run", tmp_path / "eval"
+    rows = brorl.train(brorl.parse_config(["--task", f"gsm8k:{gsm8k_file}", "--steps", "2", "--eval_every", "2",
+                                           "--out", str(run), *TINY]))
+    assert [r["step"] for r in rows] == [0, 1, 2] and (run / "ckpt" / "model.safetensors").exists()
+    before = (run / "ckpt" / "model.safetensors").read_bytes()
+    report = brorl.eval_only(brorl.parse_config(["--eval_only", "--model", str(run), "--task", f"gsm8k:{gsm8k_file}",
+                                                 "--out", str(ev), *TINY]))
+    assert json.loads((ev / "eval.json").read_text()) == json.loads(json.dumps(report))
+    b = report["benchmarks"][f"gsm8k:{gsm8k_file}"]
+    assert b["prompts"] == 3 and b["samples"] == 6 and list(b["pass@k"]) == ["1", "2", "4", "6"]
+    assert 0 <= b["truncation_rate"] <= 1 and 0 < b["mean_response_tokens"] <= 6
+    # nothing written but eval.json: the model is untouched
+    assert (run / "ckpt" / "model.safetensors").read_bytes() == before and sorted(os.listdir(ev)) == ["eval.json"]
+    assert "pass@1" in capsys.readouterr().out
+
+
+def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
+    """One evaluate function, one random-stream recipe: --eval_only of the starting model gives
+    exactly the metrics a training run logs at step 0 with the same seed and settings."""
+    common = ["--task", f"gsm8k:{gsm8k_file}", "--eval_task", f"gsm8k:{gsm8k_file}", "--seed", "3", *TINY]
+    rows = brorl.train(brorl.parse_config([*common, "--steps", "0", "--out", str(tmp_path / "run"), "--save", "false"]))
+    report = brorl.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]))
+    b = report["benchmarks"][f"gsm8k:{gsm8k_file}"]
+    step0 = rows[0]
+    assert b["pass@k"] == {k: step0[f"eval_pass@{k}"] for k in b["pass@k"]}
+    assert (b["greedy_pass@1"], b["mean_response_tokens"], b["truncation_rate"]) == (
+        step0["eval_greedy_pass@1"], step0["eval_resp_len"], step0["eval_truncated"])
+
+
+def test_training_does_not_depend_on_eval_every(tmp_path):
+    """Evaluation and the probe draw from their own stream: evaluating at every step or only at the
+    end leaves the training trajectory and the final evaluation unchanged."""
+    common = ["--steps", "3", "--n_rollouts", "8", "--eval_prompts", "2", "--eval_samples", "4",
+              "--probe_prompts", "1", "--max_rounds", "2", "--save", "false", "--max_rows", "64"]
+    every = brorl.train(brorl.parse_config([*common, "--eval_every", "1", "--out", str(tmp_path / "a")]))
+    once = brorl.train(brorl.parse_config([*common, "--eval_every", "3", "--out", str(tmp_path / "b")]))
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+    assert [drop(once[i]) for i in (1, 2)] == [{k: v for k, v in drop(every[i]).items()
+                                                if not k.startswith(("eval_", "mass"))} for i in (1, 2)]
+    assert drop(once[3]) == drop(every[3]) and drop(once[0]) == drop(every[0])
+
+
+def test_system_prompt_without_a_chat_template_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        brorl.train(brorl.parse_config(["--system_prompt", "Be brief.", "--out", str(tmp_path / "r"), *TINY]))
+    assert "--system_prompt: the tokenizer of" in capsys.readouterr().err and not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------
+# the verifier on the families real model outputs use
+
+
+@pytest.mark.parametrize("pred, gold", [
+    # thousands separators with \! or a space after the comma, and a braced comma with a space
+    ("32,\\! 349", "32349"), ("32,\\!349", "32349"), ("1,\\!000,\\! 000", "1000000"), ("14 {, }916", "14916"),
+    ("\\$32,\\! 349", "32,349"),
+    # percent as a word
+    ("28 pct", "28"), ("28 percentage", "28\\%"), ("28\\text{ pct}", "28"),
+    # inline and display math delimiters
+    ("\\(5\\)", "5"), ("\\[ \\frac{1}{2} \\]", "0.5"), ("\\(\\sqrt{2}\\)", "\\sqrt2"), ("\\[(1, 2)\\]", "(1,2)"),
+    # a label on the left
+    ("(p, q) = (2, 3)", "(2, 3)"), ("f(x) = 2x+1", "2x+1"), ("a_1 = 4", "4"), ("m\\angle ABC = 30", "30"),
+    ("p+q = 7", "7"), ("x' = 3", "3"), ("x = 5", "5"),
+])
+def test_verifier_families_match(pred, gold):
+    assert verify.is_equiv(pred, gold) and verify.is_equiv(gold, pred)
+
+
+@pytest.mark.parametrize("pred, gold", [
+    ("1, 234", "1234"),  # a comma and a space, no \!: a list
+    ("32,\\! 34", "3234"),  # not three digits after the separator: not a number
+    ("28 pct", "0.28"),  # units are dropped, never converted
+    ("2x = 6", "6"), ("2x = 6", "3"),  # a digit on the left: an equation, not a label
+    ("x = 1 = y", "1"),  # two '=': no label to drop
+    ("-x = 5", "5"),  # a label never starts with a sign: -x = 5 means x = -5
+    ("\\(5\\)", "\\(6\\)"),
+])
+def test_verifier_families_do_not_overmatch(pred, gold):
+    assert not verify.is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
+    ("So $x = \\boxed{2}$, $y = \\boxed{3}$.", "2, 3", 1.0),  # an answer split over boxes
+    ("The roots are \\boxed{3} and \\boxed{-5}.", "-5, 3", 1.0),  # a bare list is a set
+    ("\\(\\boxed{1}\\), \\(\\boxed{2}\\)", "\\{1, 2\\}", 1.0),
+    ("The roots are \\boxed{3} and \\boxed{-5}.", "-5", 0.0),  # two answers never equal one
+    ("\\boxed{3} or \\boxed{5}", "5", 1.0),  # a hedge is not one answer: the last box decides
+    ("\\boxed{4}. Wait, that is wrong: \\boxed{5}", "5", 1.0),
+    ("\\boxed{3} \\boxed{3}", "3", 1.0),  # the same box twice is one answer
+    ("So \\[\\boxed{\\frac{1}{2}}\\]", "1/2", 1.0),
+    ("The answer is \\(28\\) pct.", "28", 1.0),
+    ("x = \\boxed{2}, y = \\boxed{3}", "(2, 3)", 0.0),  # a list is a set, the gold a tuple
+    (" ".join(f"\\boxed{{{i}}}" for i in range(200)), "199", 0.0),  # every candidate boxed
+])
+def test_several_boxes_policy(completion, gold, expected):
+    assert verify.reward(completion, gold) == expected
+
+
+def test_verifier_stays_total_on_the_new_families():
+    ugly = ["\\boxed{" * 50 + "," * 500, ",\\!" * 2000, "{, }" * 2000, "\\(" * 3000, "(p,q)=" * 300,
+            "\\boxed{1}, " * 5000 + "\\boxed{2}", "x = \\boxed{" + "y = \\boxed{" * 100, "a=" + "(" * 900]
+    for text in ugly:
+        assert verify.reward(text, "1") in (0.0, 1.0) and verify.is_equiv(text, text[:500]) in (True, False)

@@ -685,4 +685,7 @@ def train(cfg: Config) -> list:
 
 if __name__ == "__main__":
     config = parse_config()
-    eval_only(config) if config.eval_only else train(config)
+    if config.eval_only:
+        eval_only(config)
+    else:
+        train(config)

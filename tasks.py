@@ -23,7 +23,6 @@ from pathlib import Path
 
 # ProRL's math prompt suffix (docs/paper.md §6), joined to the problem by one space as in veRL
 MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
-MATH_SAMPLE = Path(__file__).resolve().parent / "assets" / "math_sample.jsonl"  # 16 rows, math schema
 LOCAL = (".jsonl", ".json", ".parquet")
 _GSM8K_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 

@@ -59,8 +59,9 @@ Equivalence, the first rule that applies decides
   3. A gold choice letter A-J ('C', '(C)'): the answer must be exactly that one letter.
   4. Structure: 'a \cup b' a union, \{...\} or a bare comma list a set (both unordered, each
      element used once; graders differ on a bare list, we read it as a set: it answers "find
-     all ..." questions, whose order is not asked for, and an ordered answer comes in brackets); (...) or [...] with a comma a tuple or interval: bracket types must
-     match ((1,2) != [1,2] != (1,2]), elements in order. A structure never equals a scalar: a
+     all ..." questions, whose order is not asked for, and an ordered answer comes in
+     brackets); (...) or [...] with a comma a tuple or interval: bracket types must match
+     ((1,2) != [1,2] != (1,2]), elements in order. A structure never equals a scalar: a
      box listing all candidates ('1, 2, 3') does not match '2', nor does '\{2\}'.
   5. Numbers: _Expr, a small recursive-descent parser (+ - * / ^, parentheses, \frac, \sqrt{},
      \sqrt[n]{}, \pi, \infty, implicit products like 2\sqrt{3}) gives an exact Fraction for

@@ -516,14 +516,14 @@ def test_warm_start_is_reproducible(tmp_path):
 
 
 def test_load_math_sample():
-    rows = tasks.load(f"math:{tasks.MATH_SAMPLE}")
+    rows = tasks.load(f"math:{data.MATH_SAMPLE}")
     assert len(rows) == 16 and all(r["task"] == "math" and r["answer"] for r in rows)
-    train, test = (data.load_task(f"math:{tasks.MATH_SAMPLE}", s) for s in ("train", "test"))
+    train, test = (data.load_task(f"math:{data.MATH_SAMPLE}", s) for s in ("train", "test"))
     assert len(train) + len(test) == 16 and test and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert all(r["prompt"].endswith(" " + tasks.MATH_SUFFIX) for r in rows)
     assert tasks.MATH_SUFFIX == "Let's think step by step and output the final answer within \\boxed{}."
-    some = data.load_task(f"math:{tasks.MATH_SAMPLE}", "all", n=4, seed=1)
-    assert some == data.load_task(f"math:{tasks.MATH_SAMPLE}", "all", n=4, seed=1) and len(some) == 4
+    some = data.load_task(f"math:{data.MATH_SAMPLE}", "all", n=4, seed=1)
+    assert some == data.load_task(f"math:{data.MATH_SAMPLE}", "all", n=4, seed=1) and len(some) == 4
     assert {"\\frac{1}{6}", "8\\sqrt{2}", "(3, 2)", "-i"} <= {r["answer"] for r in rows}  # answer kinds
 
 

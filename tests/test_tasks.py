@@ -63,7 +63,7 @@ def test_math_gold_from_answer_or_the_solutions_last_box(tmp_path):
 
 
 def test_deepscaler_sample_and_json_array(tmp_path):
-    rows = tasks.load(f"math:{tasks.MATH_SAMPLE}")  # DeepScaleR's schema is the math schema
+    rows = tasks.load(f"math:{data.MATH_SAMPLE}")  # DeepScaleR's schema is the math schema
     assert len(rows) == 16
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(GSM8K))
@@ -118,7 +118,7 @@ def test_a_file_that_is_not_utf8_names_the_line(tmp_path):
 @pytest.mark.parametrize("task, split, match", [
     ("gsm8k:", "train", "unknown task"), ("mmlu:x.jsonl", "train", "unknown task"),
     ("arith", "all", "no split 'all'"), ("math:/no/such.jsonl", "train", "no such file"),
-    (f"math:{tasks.MATH_SAMPLE}", "validation", "split"),
+    (f"math:{data.MATH_SAMPLE}", "validation", "split"),
 ])
 def test_load_task_errors(task, split, match):
     with pytest.raises(ValueError, match=match):
@@ -134,7 +134,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def test_prompt_text_with_and_without_a_chat_template():
     tok = data.build_tokenizer()  # the embedded byte-level tokenizer: one token per character
-    prompt = tasks.load(f"math:{tasks.MATH_SAMPLE}")[0]["prompt"]
+    prompt = tasks.load(f"math:{data.MATH_SAMPLE}")[0]["prompt"]
     ids = sampler.encode_prompt(tok, prompt)
     assert tok.decode(ids) == prompt  # no template: the problem and ProRL's suffix, nothing else
     with pytest.raises(ValueError, match="chat template"):

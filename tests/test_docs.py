@@ -18,7 +18,7 @@ import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "NOTES.md", "docs/paper.md"]
-MODULES = ("brorl", "sampler", "kernels", "verify", "data", "harness", "massbalance", "bench")
+MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 
 

@@ -17,7 +17,8 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
-                 Every log-prob (old, reference, current) goes through kernels.token_logprobs.
+                 Every log-prob (old, reference, current) goes through the one log-prob kernel
+                 (kernels.linear_logprobs: from hidden states, the logits never whole).
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k,
                  drawn from the evaluation's own random stream (it never moves the training's);
                  the correct mass Q(x) of a fixed probe set (Theorem 1's Q_pos for one prompt:
@@ -72,7 +73,7 @@ import data
 import harness
 import verify
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
-from kernels import token_logprobs
+from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, generate  # importing it registers attn_implementation="brorl"
 
 # ----------------------------------------------------------------------------
@@ -297,22 +298,45 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
 # Policy update
 
 
+# Config fields with which a transformers model changes its logits after the output layer
+# (logits = f(hidden @ W.T)): soft-capping (Gemma 2/3), a scale (Cohere), a divisor (Granite), a
+# multiplier (Falcon-H1). Such a model's log-probs are taken from its full logits instead.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
+def plain_head(model):
+    """The output embedding's weight (V, H) when logits = hidden @ weight.T exactly (a bias-free
+    linear head, no transform in the config), so log-probs can skip the logits; else None."""
+    head, cfg = model.get_output_embeddings(), model.config
+    transforms = [k for k in LOGIT_TRANSFORMS if getattr(cfg, k, None) not in (None, 1, 1.0)]
+    if type(head) is not torch.nn.Linear or head.bias is not None or transforms:
+        return None
+    return head.weight
+
+
 def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     """Log-probs (r, T) of the response tokens of batch rows `rows`, through the one log-prob
     kernel. Like the sampler, each prompt is run once (not once per row) and no logits are made
     at prompt positions: the responses attend to their prompt's keys/values, gathered per row,
-    so the gradient of all N rows flows back into the one prompt pass."""
+    so the gradient of all N rows flows back into the one prompt pass. With a plain linear head
+    the decoder's hidden states go to kernels.linear_logprobs, which never holds the (r, T, V)
+    logits; any other head (plain_head) gives logits, then kernels.token_logprobs."""
+    head = plain_head(model)
+    net = model.get_decoder() if head is not None else model  # hidden states, or logits
+    states = lambda out: out.last_hidden_state if head is not None else out.logits
+    keep_last = {} if head is not None else dict(logits_to_keep=1)  # no (g, P, V) prompt logits
     groups, row_group = batch["group"][rows].unique(return_inverse=True)  # (g,), (r,)
     pm = batch["prompt_mask"][groups]  # (g, P)
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
     T = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # trim trailing padding
     # 1. each prompt once; its last position predicts response token 0
     cache = DynamicCache(config=model.config)
-    first = model(batch["prompt"][groups], attention_mask=pm.long(), position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
-                  logits_to_keep=1, **{cache_kwarg(model): cache}).logits  # (g, 1, V)
+    first = states(net(batch["prompt"][groups], attention_mask=pm.long(),
+                       position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
+                       **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
     # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
     # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
-    logits = first.index_select(0, row_group)  # (r, 1, V)
+    x = first.index_select(0, row_group)  # (r, 1, H or V)
     if T > 1:  # 2. response tokens 0..T-2 predict tokens 1..T-1
         row_cache = DynamicCache(config=model.config)
         for i, layer in enumerate(cache.layers):  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
@@ -321,11 +345,14 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
         causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
         attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
         pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
-        rest = model(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
-                     **{cache_kwarg(model): row_cache}).logits  # (r, T-1, V)
-        logits = torch.cat([logits, rest], 1)  # (r, T, V)
+        rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
+                          **{cache_kwarg(net): row_cache}))  # (r, T-1, H or V)
+        x = torch.cat([x, rest], 1)  # (r, T, H or V): hidden states are small, logits only without a plain head
     targets = resp[:, :T].masked_fill(~mask[:, :T], -100)  # (r, T)
-    out = token_logprobs(logits, targets, temperature, with_entropy=with_entropy)
+    if head is not None:
+        out = linear_logprobs(x, head, targets, temperature, with_entropy=with_entropy)
+    else:
+        out = token_logprobs(x, targets, temperature, with_entropy=with_entropy)
     pad = lambda x: F.pad(x, (0, mask.shape[1] - T))  # back to the batch's T
     return tuple(pad(x) for x in out) if with_entropy else pad(out)
 

@@ -68,6 +68,14 @@ BLOCK_R, BLOCK_V, NUM_WARPS = 8, 1024, 8
 # The reference works on chunks of ~4M elements (16 MiB in fp32) so it, too, never makes a full
 # fp32 copy of big logits; the size only trades Python overhead against memory.
 REF_CHUNK_ELEMENTS = 2**22
+# linear_logprobs makes the logits of one chunk of positions at a time: as many positions as fit
+# in this many bytes of fp32 logits (~220 positions at V = 151,936). A call holds up to about 2x
+# this at once (the chunk's logits and the softmax or gradient made from them; 3x with a copy in
+# fp32 of bf16 logits), plus the weight's gradient (V, D) in backward. The trade: the (V, D)
+# gradient is read and written once per chunk, which must cost little next to the chunk's three
+# matmuls (on this CPU it does from ~100 positions; a GPU, with far more FLOPs per byte, wants
+# larger chunks: pass chunk_bytes). A memory planner can import it.
+LINEAR_CHUNK_BYTES = 128 * 2**20
 
 
 # -----------------------------------------------------------------------------
@@ -137,6 +145,41 @@ def token_logprobs_ref(logits, targets, temperature=1.0, with_entropy=False):
         return logp
     return logp, torch.cat([o[1] for o in outs]).view(targets.shape)  # (...), (...)
 
+
+
+def logprobs_fwd_ref(logits, targets, temperature, with_entropy=True):
+    """The forward kernel's contract in plain torch, without autograd: logits (r, V), targets (r,)
+    -> logp (r,), entropy (r,) or None, lse (r,), fp32. With `logprobs_bwd_ref` it is the CPU path
+    of `linear_logprobs`, which makes its own backward from lse. float64 logits stay float64."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V); no copy when fp32
+    x = x / temperature if temperature != 1 else x
+    lse = torch.logsumexp(x, -1)  # (r,)
+    valid = targets != IGNORE_INDEX  # (r,)
+    x_t = x.gather(-1, targets.clamp(min=0)[:, None])[:, 0]  # (r,) clamp: -100 -> col 0
+    logp = torch.where(valid, (x_t - lse).clamp(max=0), 0.0)  # <= 0 against the last ulp
+    if not with_entropy:
+        return logp, None, lse
+    p = torch.sub(x, lse[:, None]).exp_()  # (r, V) softmax
+    entropy = torch.special.entr(p).sum(-1)  # -sum p log p, entr(0) = 0
+    return logp, torch.where(valid, entropy, 0.0), lse
+
+
+def logprobs_bwd_ref(logits, targets, lse, grad_logp, temperature):
+    """The backward kernel's contract in plain torch: (onehot(t) - p) * grad_logp / T, (r, V) in
+    the logits' dtype; exactly 0 on ignored rows."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V) fp32 (fp64 stays)
+    x = x / temperature if temperature != 1 else x
+    valid = targets != IGNORE_INDEX  # (r,)
+    g = torch.where(valid, grad_logp.to(x.dtype), 0.0) / temperature  # (r,) chain rule through x / T
+    grad = torch.sub(x, lse[:, None]).exp_().mul_(-g[:, None])  # (r, V) = -p g / T, one buffer
+    grad.scatter_add_(-1, targets.clamp(min=0)[:, None], g[:, None])  # + onehot g / T
+    grad[~valid] = 0.0  # touches the ignored rows only; -0.0 and nan-free whatever their logits
+    return grad.to(logits.dtype)
+
+
+def linear_logprobs_ref(hidden, weight, targets, temperature=1.0, with_entropy=False):
+    """Reference of `linear_logprobs`: the logits made whole, then `token_logprobs_ref`."""
+    return token_logprobs_ref(hidden @ weight.T, targets, temperature, with_entropy)  # (..., V) logits
 
 # -----------------------------------------------------------------------------
 # Triton kernels. Each program owns BLOCK_R rows and walks the vocabulary in BLOCK_V steps.
@@ -279,6 +322,61 @@ class _TokenLogprobs(torch.autograd.Function):
         return logprobs_bwd(logits, targets, lse, grad_logp, ctx.temperature), None, None
 
 
+
+def _no_autocast(device_type):
+    """The chunk matmuls run in a dtype chosen once (see linear_logprobs), autocast or not."""
+    return torch.autocast(device_type, enabled=False)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """token_logprobs(hidden @ weight.T) over chunks of `rows` positions: a chunk's logits are made,
+    its log-probs taken, and the logits dropped. Backward makes each chunk's logits again (the
+    upstream gradient is only known after the forward) and accumulates the gradients of hidden
+    and weight. `fwd`, `bwd`: logprobs_fwd/bwd (Triton) or logprobs_fwd_ref/bwd_ref (torch)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, with_entropy, dtype, rows, fwd, bwd):
+        # hidden (N, D), weight (V, D), targets (N,); dtype: what the matmul runs in
+        w = weight.to(dtype)  # (V, D); no copy unless autocast lowers the precision
+        out_dtype = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 for a float64 oracle)
+        logp, entropy, lse = (hidden.new_zeros(len(targets), dtype=out_dtype) for _ in range(3))
+        with _no_autocast(hidden.device.type):
+            for i in range(0, len(targets), rows):
+                logits = hidden[i: i + rows].to(dtype) @ w.T  # (c, V): the only logits alive
+                lp, ent, lse[i: i + rows] = fwd(logits, targets[i: i + rows], temperature, with_entropy)
+                logp[i: i + rows] = lp.view(-1)
+                if with_entropy:
+                    entropy[i: i + rows] = ent.view(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)  # saved by reference: no copies
+        ctx.temperature, ctx.dtype, ctx.rows, ctx.bwd = temperature, dtype, rows, bwd
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        dtype, rows = ctx.dtype, ctx.rows
+        w = weight.to(dtype)  # (V, D)
+        grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # (N, D)
+        acc = torch.promote_types(dtype, torch.float32)  # the weight's gradient is summed in fp32
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)  # (V, D)
+        with _no_autocast(hidden.device.type):
+            for i in range(0, len(targets), rows):
+                h = hidden[i: i + rows].to(dtype)  # (c, D)
+                logits = h @ w.T  # (c, V), the forward's logits made again
+                g = ctx.bwd(logits, targets[i: i + rows], lse[i: i + rows], grad_logp[i: i + rows],
+                            ctx.temperature)  # (c, V) gradient of the logits, in dtype
+                del logits
+                grad_h[i: i + rows] = g @ w  # (c, D)
+                if dtype == acc:  # accumulate in place: no (V, D) temporary
+                    grad_w.addmm_(g.T, h)
+                else:  # each chunk's bf16/fp16 product rounds once, the sum is fp32
+                    grad_w += g.T @ h  # (torch has no CPU matmul from bf16 to fp32)
+                del g  # before the next chunk's logits: one chunk alive at a time
+        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
+
+
 # -----------------------------------------------------------------------------
 # The public function
 
@@ -298,6 +396,131 @@ def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, backend
     logp, entropy = _TokenLogprobs.apply(logits, targets, float(temperature))
     return (logp, entropy) if with_entropy else logp
 
+
+
+def linear_logprobs(hidden, weight, targets, temperature=1.0, with_entropy=False, backend="auto",
+                    chunk_bytes=LINEAR_CHUNK_BYTES):
+    """token_logprobs(hidden @ weight.T, targets, ...) without ever holding the whole logits.
+
+    hidden (..., D) (the model's last hidden states), weight (V, D) (its output embedding, tied or
+    not); targets (...) int64, -100 = ignore. Returns logp (...) fp32, or (logp, entropy); the
+    gradient flows to hidden and weight. Positions are taken in chunks of chunk_bytes of fp32
+    logits (LINEAR_CHUNK_BYTES). The matmul runs in autocast's dtype when autocast is on for
+    hidden's device (as the model's own output layer would), else in hidden's dtype, which must
+    then be weight's. backend: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2
+            and hidden.ndim >= 1 and hidden.shape[-1] == weight.shape[1] and weight.shape[0] >= 1):
+        raise ValueError("hidden must be (..., D) and weight (V, D), got "
+                         f"{getattr(hidden, 'shape', hidden)} and {getattr(weight, 'shape', weight)}")
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+    elif hidden.dtype == weight.dtype:
+        dtype = hidden.dtype
+    else:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype} (without autocast)")
+    V = weight.shape[0]
+    # the same checks as token_logprobs on a stride-0 stand-in for the (..., V) logits (no memory)
+    triton_ = backend == "triton" or (backend == "auto" and hidden.is_cuda)
+    _check_inputs(hidden.new_empty((), dtype=dtype).expand(*hidden.shape[:-1], V), targets,
+                  temperature, KERNEL_DTYPES if triton_ else REF_DTYPES)
+    if triton_:
+        fwd = lambda x, t, temp, with_entropy: logprobs_fwd(x, t, temp)  # entropy comes free
+        bwd = logprobs_bwd
+    else:
+        fwd, bwd = logprobs_fwd_ref, logprobs_bwd_ref
+    rows = max(1, chunk_bytes // (4 * V))  # positions per chunk
+    logp, entropy = _LinearLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                          targets.reshape(-1), float(temperature), with_entropy,
+                                          dtype, rows, fwd, bwd)
+    logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)  # (...), (...)
+    return (logp, entropy) if with_entropy else logp
+
+
+# -----------------------------------------------------------------------------
+# Compiled for real GPUs, without one: every @triton.jit kernel above, ahead of time
+
+GPU_ARCHS = {80: "A100 (sm_80)", 90: "H100/H200 (sm_90)"}  # 65,536 registers, 2,048 threads per SM
+
+
+def _kernel_signature(kernel, dtype):
+    """Argument types of one of this file's kernels: the logits and their gradient in the logits'
+    dtype, targets int64, other pointers fp32, inv_temp fp32, integers i32 (as triton specialises
+    a launch whose sizes fit in 32 bits), the block sizes constexpr."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    sig = {}
+    for arg in kernel.arg_names:
+        if arg in ("logits_ptr", "grad_ptr"):
+            sig[arg] = "*" + names[dtype]
+        elif arg == "targets_ptr":
+            sig[arg] = "*i64"
+        elif arg.endswith("_ptr"):
+            sig[arg] = "*fp32"
+        elif arg in ("BLOCK_R", "BLOCK_V"):
+            sig[arg] = "constexpr"
+        else:
+            sig[arg] = "fp32" if arg == "inv_temp" else "i32"
+    return sig
+
+
+def compile_kernels(archs=tuple(GPU_ARCHS), dtypes=KERNEL_DTYPES):
+    """Compile every kernel for each CUDA arch and logits dtype with triton (no GPU needed), then
+    ask the ptxas bundled with triton (-v) for registers per thread and spills. Returns a list of
+    dicts (kernel, arch, dtype, regs, spill_bytes, warps_per_sm). Needs compiled, not interpreted,
+    triton: with TRITON_INTERPRET=1 (set above on a machine without a GPU) it runs in a subprocess."""
+    import json
+    import re
+    import subprocess
+    import tempfile
+    if triton.knobs.runtime.interpret:
+        env = {**os.environ, "TRITON_INTERPRET": "0"}
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-json"],
+                             env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"compiling the kernels failed:\n{out.stderr[-3000:]}")
+        rows = json.loads(out.stdout.splitlines()[-1])
+        return [r for r in rows if r["arch"] in archs and r["dtype"] in [str(d)[6:] for d in dtypes]]
+    from triton.backends.compiler import GPUTarget
+    kernels = [v for v in globals().values() if isinstance(v, triton.runtime.JITFunction)]
+    rows = []
+    for kernel in kernels:
+        for arch in archs:
+            for dtype in dtypes:
+                src = triton.compiler.ASTSource(fn=kernel, signature=_kernel_signature(kernel, dtype),
+                                                constexprs=dict(BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V))
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options=dict(num_warps=NUM_WARPS))
+                ptx = compiled.asm["ptx"]
+                gpu = re.search(r"^\.target (\w+)", ptx, re.M).group(1)  # sm_80, sm_90a
+                with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+                    f.write(ptx)
+                    f.flush()
+                    info = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", f"--gpu-name={gpu}",
+                                           "-o", os.devnull, f.name], capture_output=True,
+                                          text=True, check=True).stderr
+                regs = int(re.search(r"Used (\d+) registers", info).group(1))
+                spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
+                # registers are allocated per warp in units of 256 (8 per thread): blocks of
+                # NUM_WARPS warps fit while 65,536 registers last, up to 64 warps (2,048 threads)
+                per_warp = -(-regs // 8) * 8 * 32
+                warps = min(64, 65536 // (per_warp * NUM_WARPS) * NUM_WARPS)
+                rows.append(dict(kernel=kernel.__name__, arch=arch, dtype=str(dtype)[6:], regs=regs,
+                                 spill_bytes=spills, warps_per_sm=warps))
+    return rows
+
+
+def _compiled_table():
+    print(f"\nCompiled ahead of time (triton {triton.__version__}, ptxas -v), BLOCK_R = {BLOCK_R}, "
+          f"BLOCK_V = {BLOCK_V}, {NUM_WARPS} warps")
+    print(f"{'kernel':>22} {'GPU':>18} {'logits':>9} {'regs':>5} {'spills B':>9} {'occupancy':>14}")
+    for r in compile_kernels():
+        print(f"{r['kernel']:>22} {GPU_ARCHS[r['arch']]:>18} {r['dtype']:>9} {r['regs']:5d} "
+              f"{r['spill_bytes']:9d} {r['warps_per_sm']:3d}/64 warps")
+    print("  occupancy: resident warps per SM that the registers allow (65,536 per SM, at most\n"
+          "  2,048 threads = 64 warps), in blocks of the kernel's warps")
 
 # -----------------------------------------------------------------------------
 # Benchmark: `python kernels.py` (CPU: correctness + memory; GPU: speed + memory)
@@ -413,6 +636,60 @@ def _bench_cpu_memory(rows=1024, V=32000):
           "  measured on a CPU: the interpreter is a test tool, not a backend.")
 
 
+
+def _linear_cpu_child(path, N, D, V):
+    """In a fresh process: one forward + backward of `path` ("logits" or "linear") at (N, D, V),
+    fp32; prints peak extra resident bytes and the best of 2 further timed runs."""
+    import ctypes
+    import time
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(N, D, generator=gen).requires_grad_()  # (N, D) hidden states
+    w = (torch.randn(V, D, generator=gen) / D**0.5).requires_grad_()  # (V, D): logits ~ randn
+    t = torch.randint(0, V, (N,), generator=gen)
+    g = torch.randn(N, generator=gen)  # upstream gradient
+    fn = {"logits": lambda: token_logprobs(h @ w.T, t),  # the logits made whole, as before
+          "linear": lambda: linear_logprobs(h, w, t)}[path]
+
+    def step():
+        h.grad = w.grad = None
+        (fn() * g).sum().backward()
+
+    def status(key):  # kB -> bytes, from /proc/self/status
+        line = next(x for x in open("/proc/self/status") if x.startswith(key))
+        return int(line.split()[1]) * 1024
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what making the inputs freed
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark VmHWM to now
+        f.write("5")
+    step()  # the gradients of h and w (N*D + V*D floats) are part of the peak, on both paths
+    peak = status("VmHWM:") - base
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    print(peak, min(times))
+
+
+def _bench_linear_cpu(N=4096, D=896, V=151936):
+    """linear_logprobs against logits-then-token_logprobs, fp32, one fresh process per path."""
+    import subprocess
+    print(f"\nCPU, fp32, {N} positions x D = {D} -> V = {V}: forward + backward (the gradients of "
+          f"hidden and weight included);\nlogits alone = {N * V * 4 / 2**30:.2f} GiB, one chunk = "
+          f"{LINEAR_CHUNK_BYTES // (4 * V)} positions")
+    print(f"{'path':>34} {'peak extra MiB':>15} {'time s':>7}")
+    res = {}
+    for path, name in [("logits", "hidden @ W.T, then token_logprobs"), ("linear", "linear_logprobs")]:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--linear-child", path,
+                              str(N), str(D), str(V)], capture_output=True, text=True, check=True)
+        res[path] = peak, sec = (float(x) for x in out.stdout.split()[-2:])
+        print(f"{name:>34} {peak / 2**20:15.0f} {sec:7.2f}")
+    print(f"  linear_logprobs: {res['logits'][0] / res['linear'][0]:.1f}x less memory, "
+          f"{res['linear'][1] / res['logits'][1]:.2f}x the time")
+    print("  peak extra: the process's resident high-water mark (VmHWM) during one forward +\n"
+          "  backward, above its resident size before (each path in a fresh process); time: best\n"
+          "  of the 2 runs after that, on this machine's threads")
+
 def _cuda_time_ms(fn, reps=10):
     """Median milliseconds of fn, by CUDA events, after 3 warm-up calls."""
     for _ in range(3):
@@ -508,10 +785,19 @@ def _tune(rows=32768, V=151936):
 
 
 if __name__ == "__main__":
+    if "--linear-child" in sys.argv:  # one measurement of _bench_linear_cpu
+        path, N, D, V = sys.argv[sys.argv.index("--linear-child") + 1:][:4]
+        _linear_cpu_child(path, int(N), int(D), int(V))
+        sys.exit()
+    if "--compile-json" in sys.argv:  # compile_kernels in a process where triton compiles
+        import json
+        print(json.dumps(compile_kernels()))
+        sys.exit()
     if "--tune" in sys.argv:
         _tune()
         sys.exit()
     _correctness_table()
+    _compiled_table()
     if torch.cuda.is_available():
         _bench_gpu()
     else:

@@ -22,7 +22,13 @@ Backends of `token_logprobs`:
 - CPU tensors: `token_logprobs_ref`, plain torch, chunked over rows (backend="auto" or "torch").
   backend="triton" on a CPU runs the same kernels through the Triton interpreter (slow; for tests).
 
-Run `python kernels.py` for the correctness summary and memory/speed table (see the bottom).
+From hidden states: `linear_logprobs(hidden, weight, targets)` returns what
+token_logprobs(hidden @ weight.T, targets) returns, with gradients for hidden and weight, but makes
+the logits one chunk of positions at a time (LINEAR_CHUNK_BYTES) and drops them; its backward makes
+each chunk's logits again (the upstream gradient of a log-prob is only known after the forward).
+
+Run `python kernels.py` for the correctness summary, the kernels compiled for sm_80 / sm_90
+(registers, spills, occupancy) and the memory/speed tables (see the bottom).
 """
 
 import contextlib
@@ -502,7 +508,8 @@ def compile_kernels(archs=tuple(GPU_ARCHS), dtypes=KERNEL_DTYPES):
                                            "-o", os.devnull, f.name], capture_output=True,
                                           text=True, check=True).stderr
                 regs = int(re.search(r"Used (\d+) registers", info).group(1))
-                spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
+                spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+                spills = int(spill.group(1)) + int(spill.group(2))  # no line: an error, not 0
                 # registers are allocated per warp in units of 256 (8 per thread): blocks of
                 # NUM_WARPS warps fit while 65,536 registers last, up to 64 warps (2,048 threads)
                 per_warp = -(-regs // 8) * 8 * 32
@@ -764,6 +771,37 @@ def _bench_gpu(shapes=((8192, 151936), (32768, 32000), (65536, 151936))):
           "gradient (1.00 x logits) included")
 
 
+
+def _bench_linear_gpu(N=16384, D=1536, V=151936):
+    """linear_logprobs against whole logits then token_logprobs, bf16 hidden and weight, on the GPU:
+    forward + backward time and peak memory, the gradients of hidden and weight included."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(N, D, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, D, generator=gen, device="cuda") / D**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (N,), generator=gen, device="cuda")
+    g = torch.randn(N, generator=gen, device="cuda")
+    flops = 4 * 2 * N * D * V  # four matmuls: forward, and in backward the recompute + two gradients
+    paths = {"logits, token_logprobs": lambda: token_logprobs(h @ w.T, t),
+             "linear_logprobs": lambda: linear_logprobs(h, w, t),
+             "linear, 1 GiB chunks": lambda: linear_logprobs(h, w, t, chunk_bytes=2**30)}
+    print(f"\nGPU, bf16, {N} positions x D = {D} -> V = {V}, forward + backward (median of 10)")
+    print(f"{'path':>24} {'f+b ms':>8} {'TFLOP/s (4 mm)':>15} {'peak GiB':>9}")
+    for name, fn in paths.items():
+        def step():
+            h.grad = w.grad = None
+            (fn() * g).sum().backward()
+        try:
+            ms = _cuda_time_ms(step)
+            h.grad = w.grad = None
+            peak = _cuda_peak_bytes(step)
+            print(f"{name:>24} {ms:8.2f} {flops / ms / 1e9:15.0f} {peak / 2**30:9.2f}")
+        except torch.OutOfMemoryError:
+            print(f"{name:>24} out of memory")
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+    print("  peak = max_memory_allocated during one forward+backward minus before, gradients included;\n"
+          "  TFLOP/s counts four matmuls for every path (the logits path makes only three): it compares times")
+
 def _tune(rows=32768, V=151936):
     """Opt-in sweep of launch configs on the GPU at hand; prints fwd+bwd ms, does not persist."""
     global BLOCK_R, BLOCK_V, NUM_WARPS
@@ -800,5 +838,7 @@ if __name__ == "__main__":
     _compiled_table()
     if torch.cuda.is_available():
         _bench_gpu()
+        _bench_linear_gpu()
     else:
         _bench_cpu_memory()
+        _bench_linear_cpu()

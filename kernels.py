@@ -353,6 +353,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 logp[i: i + rows] = lp.view(-1)
                 if with_entropy:
                     entropy[i: i + rows] = ent.view(-1)
+                del logits, lp, ent  # before the next chunk's logits are made
         ctx.save_for_backward(hidden, weight, targets, lse)  # saved by reference: no copies
         ctx.temperature, ctx.dtype, ctx.rows, ctx.bwd = temperature, dtype, rows, bwd
         ctx.mark_non_differentiable(entropy)
@@ -835,10 +836,10 @@ if __name__ == "__main__":
         _tune()
         sys.exit()
     _correctness_table()
-    _compiled_table()
     if torch.cuda.is_available():
         _bench_gpu()
         _bench_linear_gpu()
     else:
         _bench_cpu_memory()
         _bench_linear_cpu()
+    _compiled_table()

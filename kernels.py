@@ -647,7 +647,7 @@ def _bench_cpu_memory(rows=1024, V=32000):
 
 def _linear_cpu_child(path, N, D, V):
     """In a fresh process: one forward + backward of `path` ("logits" or "linear") at (N, D, V),
-    fp32; prints peak extra resident bytes and the best of 2 further timed runs."""
+    fp32; prints its peak extra resident bytes and its time (one run: minutes on a small CPU)."""
     import ctypes
     import time
     gen = torch.Generator().manual_seed(0)
@@ -669,20 +669,15 @@ def _linear_cpu_child(path, N, D, V):
     base = status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark VmHWM to now
         f.write("5")
+    t0 = time.perf_counter()
     step()  # the gradients of h and w (N*D + V*D floats) are part of the peak, on both paths
-    peak = status("VmHWM:") - base
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    print(peak, min(times))
+    print(status("VmHWM:") - base, time.perf_counter() - t0)
 
 
 def _bench_linear_cpu(N=4096, D=896, V=151936):
     """linear_logprobs against logits-then-token_logprobs, fp32, one fresh process per path."""
     import subprocess
-    print(f"\nCPU, fp32, {N} positions x D = {D} -> V = {V}: forward + backward (the gradients of "
+    print(f"\nCPU, fp32, {N} positions x D = {D} -> V = {V} (minutes): forward + backward (the gradients of "
           f"hidden and weight included);\nlogits alone = {N * V * 4 / 2**30:.2f} GiB, one chunk = "
           f"{LINEAR_CHUNK_BYTES // (4 * V)} positions")
     print(f"{'path':>34} {'peak extra MiB':>15} {'time s':>7}")
@@ -695,8 +690,8 @@ def _bench_linear_cpu(N=4096, D=896, V=151936):
     print(f"  linear_logprobs: {res['logits'][0] / res['linear'][0]:.1f}x less memory, "
           f"{res['linear'][1] / res['logits'][1]:.2f}x the time")
     print("  peak extra: the process's resident high-water mark (VmHWM) during one forward +\n"
-          "  backward, above its resident size before (each path in a fresh process); time: best\n"
-          "  of the 2 runs after that, on this machine's threads")
+          "  backward, above its resident size before (each path in a fresh process); time: that\n"
+          "  same run, on this machine's threads (first touch of fresh memory included, on both paths)")
 
 def _cuda_time_ms(fn, reps=10):
     """Median milliseconds of fn, by CUDA events, after 3 warm-up calls."""

@@ -685,7 +685,7 @@ def _bench_linear_cpu(N=4096, D=896, V=151936):
     for path, name in [("logits", "hidden @ W.T, then token_logprobs"), ("linear", "linear_logprobs")]:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--linear-child", path,
                               str(N), str(D), str(V)], capture_output=True, text=True, check=True)
-        res[path] = peak, sec = (float(x) for x in out.stdout.split()[-2:])
+        res[path] = peak, sec = tuple(float(x) for x in out.stdout.split()[-2:])
         print(f"{name:>34} {peak / 2**20:15.0f} {sec:7.2f}")
     print(f"  linear_logprobs: {res['logits'][0] / res['linear'][0]:.1f}x less memory, "
           f"{res['linear'][1] / res['logits'][1]:.2f}x the time")

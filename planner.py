@@ -10,7 +10,9 @@ Two phases peak separately (brorl.py never holds both at once):
   update   weights, gradients, AdamW state, the reference policy when --kl_coef > 0, the step's
            (rows, T) tensors, and one micro-batch's forward: each decoder layer's activations
            (or, with --grad_ckpt, each layer's input and one layer's activations), the attention
-           mask, and the logits and their gradient.
+           mask, and the logits and their gradient; plus the temporary of AdamW's step (its
+           foreach implementation takes the square root of every second moment at once), which is
+           not alive with the micro-batch's: the sum errs on the safe side.
 The per-token constants below count what autograd keeps for a Qwen2/Llama decoder layer under
 autocast (checked against measured peaks, tests/test_onegpu.py and tests/test_rehearsal.py). The
 estimate is of tensor bytes; an allocator adds its fragmentation on top (a margin on CUDA).
@@ -125,7 +127,8 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
               (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
               ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
-              ("logits and their gradient", logits_bytes(r * T, V, H, c))]
+              ("logits and their gradient", logits_bytes(r * T, V, H, c)),
+              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * total)]  # not alive with the above: a margin
     return {"rollout": rollout, "update": update}
 
 

@@ -1,6 +1,6 @@
 """
 memcheck.py: the memory planner (planner.py) against a measured run. Loads the configuration the
-flags describe (any brorl.py flag), runs one step to create the AdamW state, then measures the
+flags describe (any brorl.py flag), creates the AdamW state (one step on zero gradients), then measures the
 rollout (the largest chunk the plan assumes: 4B prompts x N rollouts, and the eval's chunk) and
 one update, and prints each phase's estimate beside its measured peak.
 
@@ -64,8 +64,10 @@ def check(cfg) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen, gen_cpu = torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0)
     rng = random.Random(cfg.seed)
-    one = dataclasses_replace(cfg, dynamic_sampling=False)
-    brorl.rl_step(model, ref, opt, tok, one, train_set, rng, gen, gen_cpu, 1.0)  # creates the AdamW state
+    for p in model.parameters():  # one step on zero gradients: the AdamW state, as from step 2 on
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     base = existing_bytes(model, ref, opt)
     prompts = [e["prompt"] for e in rng.sample(train_set, 4 * cfg.prompts_per_step)]
     model.eval()

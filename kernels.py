@@ -87,8 +87,9 @@ LINEAR_CHUNK_BYTES = 128 * 2**20
 # -----------------------------------------------------------------------------
 # Input checks and the plain-torch reference (the spec, the test oracle, the CPU path)
 
-def _check_inputs(logits, targets, temperature, dtypes):
-    """Raise ValueError naming what is wrong; cheap except for one pass over targets."""
+def _check_inputs(logits, targets, temperature, dtypes, validate=True):
+    """Raise ValueError naming what is wrong; cheap except for one pass over targets (and a host
+    sync), which validate=False skips: for callers whose targets are in range by construction."""
     if not isinstance(logits, torch.Tensor) or logits.ndim < 1 or logits.shape[-1] == 0:
         raise ValueError("logits must be a tensor of shape (..., V) with V >= 1")
     if logits.dtype not in dtypes:
@@ -103,6 +104,8 @@ def _check_inputs(logits, targets, temperature, dtypes):
         raise ValueError(f"targets on {targets.device} but logits on {logits.device}")
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not validate:
+        return
     V = logits.shape[-1]
     bad = ((targets < 0) & (targets != IGNORE_INDEX)) | (targets >= V)  # (...)
     if bad.any():  # one host sync; an out-of-range target would read out of bounds in the kernel
@@ -128,14 +131,14 @@ def _ref_rows(logits, targets, temperature, with_entropy):
     return logp, torch.where(valid, entropy, 0.0)
 
 
-def token_logprobs_ref(logits, targets, temperature=1.0, with_entropy=False):
+def token_logprobs_ref(logits, targets, temperature=1.0, with_entropy=False, validate=True):
     """Reference of `token_logprobs` in plain torch; same arguments, same results.
 
     Rows are processed in chunks of ~REF_CHUNK_ELEMENTS; with autograd on, each chunk is
     checkpointed (recomputed in backward), so no (R, V) fp32 tensor is kept alive. The gradient
     comes from torch autograd, independently of the kernel's hand-written backward.
     """
-    _check_inputs(logits, targets, temperature, REF_DTYPES)
+    _check_inputs(logits, targets, temperature, REF_DTYPES, validate)
     V = logits.shape[-1]
     x, tgt = logits.reshape(-1, V), targets.reshape(-1)  # (R, V), (R,)
     rows = max(1, REF_CHUNK_ELEMENTS // V)  # rows per chunk
@@ -387,19 +390,20 @@ class _LinearLogprobs(torch.autograd.Function):
 # -----------------------------------------------------------------------------
 # The public function
 
-def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, backend="auto"):
+def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, backend="auto", validate=True):
     """Log-probabilities of `targets` under softmax(logits / temperature), fp32, differentiable.
 
     logits (..., V) fp32/bf16/fp16; targets (...) int64, -100 = ignore (logp 0, entropy 0, grad 0).
     Returns logp (...), or (logp, entropy) with with_entropy (entropy carries no gradient).
     backend: "auto" (Triton on CUDA, torch reference on CPU), "triton" (the kernels; on a CPU
-    through the Triton interpreter) or "torch" (the reference).
+    through the Triton interpreter) or "torch" (the reference). validate=False skips the range
+    check of the targets and its host sync (the sampler's own draws are in range by construction).
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "torch" or (backend == "auto" and not getattr(logits, "is_cuda", False)):
-        return token_logprobs_ref(logits, targets, temperature, with_entropy)
-    _check_inputs(logits, targets, temperature, KERNEL_DTYPES)
+        return token_logprobs_ref(logits, targets, temperature, with_entropy, validate)
+    _check_inputs(logits, targets, temperature, KERNEL_DTYPES, validate)
     logp, entropy = _TokenLogprobs.apply(logits, targets, float(temperature))
     return (logp, entropy) if with_entropy else logp
 

@@ -47,7 +47,9 @@ class SharedPrefixCache:
 
     def __init__(self, prefix_kv, prefix_len, n: int):
         B, Hkv, P, D = prefix_kv[0][0].shape
-        self.prefix_kv = [(k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+        # Keys in the values' dtype, the compute dtype: under autocast, rotary's fp32 cos/sin promote the
+        # keys to fp32 (bf16 values), which would cost 1.5x the cache of bf16 keys and values
+        self.prefix_kv = [(k.to(v.dtype).transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
                           for k, v in prefix_kv]  # per layer (Hkv, B, P, D): each prompt once
         self.B, self.P, self.n_max, self.slot = B, P, n, None
         # (B, P): -inf on each prompt's padding (prompts are right-padded to P); None if none
@@ -56,7 +58,7 @@ class SharedPrefixCache:
             col >= prefix_len[:, None], -math.inf)
         self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)  # (R,) prompt of each row
         self.t = 0  # generated tokens stored so far
-        self.k = [k.new_empty(B * n, Hkv, 64, D) for k, _ in prefix_kv]  # (R, Hkv, capacity, D)
+        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]  # (R, Hkv, capacity, D), compute dtype
         self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]
         self._set_bias()
 
@@ -66,9 +68,12 @@ class SharedPrefixCache:
 
     def keep(self, rows):
         """Drop every row but `rows` (ascending indices into the current rows): finished rollouts
-        stop costing. The survivors are packed onto a smaller grid: n_max = most rows left to a prompt."""
-        self.k = [k[rows] for k in self.k]
-        self.v = [v[rows] for v in self.v]
+        stop costing. The survivors are packed onto a smaller grid: n_max = most rows left to a prompt.
+        One layer at a time, each old layer freed as its copy is made: the transient is one layer's
+        survivors, not a second copy of the whole cache."""
+        for i in range(len(self.k)):
+            self.k[i] = self.k[i][rows]  # (r, Hkv, capacity, D)
+            self.v[i] = self.v[i][rows]
         self.row_group = self.row_group[rows]  # still sorted by prompt
         counts = torch.bincount(self.row_group, minlength=self.B)  # (B,) rows left per prompt
         self.n_max = int(counts.max())
@@ -94,7 +99,7 @@ class SharedPrefixCache:
         if self.t == self.k[layer_idx].shape[2]:  # full: double the capacity (amortised O(1) a token)
             self.k[layer_idx] = torch.cat([self.k[layer_idx], torch.empty_like(self.k[layer_idx])], 2)
             self.v[layer_idx] = torch.cat([self.v[layer_idx], torch.empty_like(self.v[layer_idx])], 2)
-        self.k[layer_idx][:, :, self.t] = k[:, :, 0]
+        self.k[layer_idx][:, :, self.t] = k[:, :, 0]  # cast to the compute dtype on the way in
         self.v[layer_idx][:, :, self.t] = v[:, :, 0]
         return self.k[layer_idx][:, :, : self.t + 1], self.v[layer_idx][:, :, : self.t + 1]
 
@@ -112,7 +117,7 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
     Hkv, B, P, D = pk.shape
     R, H = query.shape[:2]  # query (R, H, 1, D), R rows still decoding
     G = H // Hkv  # G query heads share one kv head (GQA)
-    q = (query * scaling).view(R, Hkv, G, D)  # scaled once here rather than both score tensors
+    q = (query * scaling).to(pk.dtype).view(R, Hkv, G, D)  # in the cache's dtype (rotary made it fp32); scaled once
     # (a) the prefixes: per kv head ONE batched matmul over the B prompts, each prompt's P keys
     # against its own rows x G heads (rows on the (B, n_max) grid)
     q_grid = cache.to_grid(q.transpose(0, 1)).reshape(Hkv, B, -1, D)  # (Hkv, B, n_max*G, D)
@@ -148,7 +153,7 @@ def _cache_kwarg(cls) -> str:  # inspecting a signature costs ~10 ms: once per m
 @dataclass
 class Rollouts:
     prompt_ids: list  # B lists of prompt token ids
-    tokens: torch.Tensor  # (B*N, T) response tokens, pad after EOS
+    tokens: torch.Tensor  # (B*N, T) response tokens, pad after EOS; on the CPU (as every field)
     mask: torch.Tensor  # (B*N, T) bool, True on response tokens (EOS included)
     logp: torch.Tensor  # (B*N, T) the sampler's log-probs of its tokens (0 on padding)
     entropy: torch.Tensor  # (B*N, T) entropy of the tempered next-token distribution (0 on padding)
@@ -221,12 +226,14 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
         tokens[rows, t], mask[rows, t] = tok, ~done
         # the drawn token's log-prob and the distribution's entropy (0 where done), through the
         # trainer's kernel at the trainer's temperature; greedy (T = 0) records them at T = 1
+        # (the targets are our own draws, in range: no check, whose host sync would stall every token)
         logp[rows, t], entropy[rows, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0,
-                                                         with_entropy=True)
+                                                         with_entropy=True, validate=False)
         done = done | torch.isin(tok, eos_ids)
-        if done.all() or t == max_new - 1:
+        n_done = int(done.sum())  # the decode loop's one host sync per token
+        if n_done == len(done) or t == max_new - 1:
             break
-        if 8 * done.sum() >= len(done):  # an eighth finished: drop them (each drop copies the own KV)
+        if 8 * n_done >= len(done):  # an eighth finished: drop them (each drop copies the own KV)
             live = (~done).nonzero()[:, 0]  # (r',)
             rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
             cache.keep(live)
@@ -247,10 +254,12 @@ def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen,
     else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
         jobs = [([ids], min(max_rows, n - j)) for ids in prompt_ids for j in range(0, n, max_rows)]
     eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}  # chat models have several
-    parts = [generate_group_chunk(model, ids, rows, max_new, temperature, top_p, sorted(eos),
-                                  tok.pad_token_id, gen) for ids, rows in jobs]
-    tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))
-    texts = tok.batch_decode(tokens.masked_fill(~mask, tok.pad_token_id), skip_special_tokens=True)
+    # each chunk's outputs leave the accelerator as soon as it is done: the device holds one chunk
+    parts = [tuple(x.cpu() for x in generate_group_chunk(model, ids, rows, max_new, temperature, top_p,
+                                                          sorted(eos), tok.pad_token_id, gen)) for ids, rows in jobs]
+    tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))  # on the CPU
+    lengths = mask.sum(1).tolist()  # (B*N,) each row's real tokens: decode those, not T columns of padding
+    texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)], skip_special_tokens=True)
     return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
 
 

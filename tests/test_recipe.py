@@ -101,9 +101,9 @@ def test_drift_and_tis_weight_are_one_in_float32(random_lm):
 def test_drift_is_logged_under_bf16_autocast(random_lm):
     """bf16: the sampler's decode and the trainer's forward round differently, and the log says so."""
     model, tok = random_lm
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the sampler in bf16, as rl_step runs it
         batch = _batch(model, tok)
-        info = _update(model, batch)  # auto: a recompute under autocast
+    info = _update(model, batch, dtype="bfloat16")  # --dtype bfloat16: the update autocasts its own forwards
     assert info["drift_max"] > 1e-3 and 0 < info["drift_mean"] < info["drift_max"]
 
 

@@ -1,0 +1,275 @@
+"""
+planner.py: the memory a brorl run needs, estimated before it runs. A pure function of the model's
+config (widths, layers, heads, vocabulary), the run's Config fields and the world size: no weights
+are loaded, so `python brorl.py --plan --model <hub id>` answers for a 7B model on a laptop.
+
+Two phases peak separately (brorl.py never holds both at once):
+  rollout  the weights (+ AdamW state, which lives across steps, + the reference policy), the KV
+           cache of one chunk of rows x (prompt + max_new_tokens) in the compute dtype, the
+           sampling step's (rows, V) buffers, and the chunk's outputs;
+  update   weights, gradients, AdamW state, the reference policy when --kl_coef > 0, the step's
+           (rows, T) tensors, and one micro-batch's forward: each decoder layer's activations
+           (or, with --grad_ckpt, each layer's input and one layer's activations), the attention
+           mask, and the logits and their gradient; plus the temporary of AdamW's step (its
+           foreach implementation takes the square root of every second moment at once), which is
+           not alive with the micro-batch's: the sum errs on the safe side.
+The per-token constants below count what autograd keeps for a Qwen2/Llama decoder layer under
+autocast (checked against measured peaks, tests/test_onegpu.py and tests/test_rehearsal.py). The
+estimate is of tensor bytes; an allocator adds its fragmentation on top (a margin on CUDA).
+
+    plan(model_config, cfg, prompt_tokens, world_size=1) -> {"rollout": [(item, bytes)], "update": [...]}
+    fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an error line
+    measure_peak(fn) -> peak bytes of live tensors while fn runs (the check of the estimate on a CPU)
+"""
+
+import math
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels
+
+GB = 2**30
+CUDA_MARGIN = 0.90  # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
+
+
+def _shape(mc):
+    """(H, I, L, V, heads, kv heads, head dim) of a Hugging Face decoder config."""
+    H, nh = mc.hidden_size, mc.num_attention_heads
+    hd = getattr(mc, "head_dim", None) or H // nh
+    return H, mc.intermediate_size, mc.num_hidden_layers, mc.vocab_size, nh, mc.num_key_value_heads, hd
+
+
+def param_counts(mc) -> tuple:
+    """(all parameters, parameters of Linear layers incl. the LM head): autocast keeps a low-precision
+    copy of each Linear weight it uses."""
+    H, I, L, V, nh, nkv, hd = _shape(mc)
+    attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + (nh + 2 * nkv) * hd  # q, k, v, o (+ qkv biases)
+    mlp = 3 * H * I  # gate, up, down
+    tied = getattr(mc, "tie_word_embeddings", False)
+    total = V * H * (1 if tied else 2) + L * (attn + mlp + 2 * H) + H  # embeddings, layers (2 norms), final norm
+    return total, L * (attn + mlp) + V * H
+
+
+def layer_activation_bytes(mc, c: int) -> float:
+    """Bytes autograd keeps per token for one decoder layer; c = compute dtype bytes (2 bf16, 4 fp32).
+    fp32: each RMSNorm keeps its input, the normalised product and its output (3 x 4H); rotary keeps
+    q, k and their rotated halves; SDPA q, k and v (expanded to all heads, GQA) and its output; o_proj
+    its input; the SwiGLU MLP gate, up, silu(gate) and their product (4 x 4I).
+    bf16 autocast: the residual stream and the norms stay fp32 and each Linear keeps a bf16 cast of
+    its input; projections, rotary inputs, SDPA and the MLP are bf16."""
+    H, I, L, V, nh, nkv, hd = _shape(mc)
+    if c == 4:
+        return 24 * H + 8 * (nh + nkv) * hd + 20 * nh * hd + 16 * I
+    return 28 * H + 4 * (nh + nkv) * hd + 10 * nh * hd + 8 * I
+
+
+def sampling_bytes_per_row(V: int, c: int, top_p: float) -> int:
+    """The sampling step's (rows, V) buffers per row: the logits (c), fp32 probabilities and their
+    cumulative sum, and the log-prob kernel's chunk; top_p < 1 adds the sort (values + int64 indices)."""
+    per = c + 4 + 8  # logits, probs, the cumulative sum (float64)
+    if top_p < 1:
+        per += 4 + 8 + 4 + 1  # sorted values, their int64 indices, the masked copy, the drop mask
+    return V * per
+
+
+def kv_capacity(max_new: int) -> int:
+    """The sampler's cache capacity for max_new tokens: 64, doubled while full (sampler.py)."""
+    cap = 64
+    while cap < max_new - 1:
+        cap *= 2
+    return cap
+
+
+def rollout_rows(cfg, n: int, prompts: int) -> int:
+    """Rows decoded at once for n rollouts of `prompts` prompts: whole groups up to max_rows (sampler.generate)."""
+    if n > cfg.max_rows:
+        return cfg.max_rows
+    return min(cfg.max_rows // n, prompts) * n
+
+
+def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
+    """Estimated peak bytes of each phase, itemised: {"rollout": [(item, bytes)], "update": [...]}."""
+    H, I, L, V, nh, nkv, hd = _shape(mc)
+    c = 2 if _compute_bytes(cfg) == 2 else 4
+    total, linear = param_counts(mc)
+    B, N, T, P = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens
+    state = [("weights (fp32)", 4 * total), ("AdamW state (fp32 m, v)", 8 * total)]
+    if cfg.kl_coef > 0:
+        state.append(("reference policy (fp32)", 4 * total))
+    if c == 2:
+        state.append(("autocast's bf16 weight copies", 2 * linear))
+
+    # rollout: the largest chunk of training, eval (top_p 0.95) and probe sampling
+    def chunk(rows, top_p, prompts):
+        cap = kv_capacity(T)
+        kv = L * rows * nkv * hd * 2 * c * cap + rows * nkv * hd * 2 * c * cap // 2  # + one layer doubling
+        prefix = L * prompts * nkv * hd * 2 * c * P
+        return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
+                ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
+                ("chunk outputs (rows, T)", rows * T * 17)]  # int64 token, bool mask, fp32 logp, entropy
+    chunks = [chunk(rollout_rows(cfg, N, 4 * B), cfg.top_p, min(4 * B, max(cfg.max_rows // N, 1))),
+              chunk(rollout_rows(cfg, cfg.eval_samples, cfg.eval_prompts), 0.95,
+                    min(cfg.eval_prompts, max(cfg.max_rows // cfg.eval_samples, 1)))]
+    rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
+
+    # update: one micro-batch of r rows x T tokens on top of the step's state
+    R = B * N  # rows trained per step
+    r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
+    per_layer = layer_activation_bytes(mc, c)
+    tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
+    if cfg.grad_ckpt:
+        acts = L * tokens * 4 * H + tokens * per_layer  # each layer's fp32 input + one layer replayed
+    else:
+        acts = L * tokens * per_layer
+    update = [*state[:2], ("gradients (fp32)", 4 * total), *state[2:],
+              ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
+              (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
+              ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
+              ("logits and their gradient", logits_bytes(r * T, V, H, c)),
+              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * total)]  # not alive with the above: a margin
+    return {"rollout": rollout, "update": update}
+
+
+def logits_bytes(rows: int, V: int, H: int, c: int) -> int:
+    """The update's logits and their gradient. With kernels.linear_logprobs (brorl.py's path for a
+    plain linear head) one chunk of positions at a time: the chunk's logits, the softmax or gradient
+    made from them and an fp32 copy (~3 x LINEAR_CHUNK_BYTES). Without it, the whole (rows, V)
+    logits of the response pass, their concatenation and their gradient in c bytes, and the
+    reference's fp32 chunks (2^22 elements). Either way the (V, H) gradients of the LM head and the
+    embedding before they are accumulated (under autocast the head's is bf16, then cast to fp32)."""
+    heads = V * H * (4 + 4 + (2 if c == 2 else 0))
+    chunk_bytes = getattr(kernels, "LINEAR_CHUNK_BYTES", None)
+    if chunk_bytes is not None:
+        return 3 * min(rows * V * 4, chunk_bytes) + heads
+    return rows * V * 3 * c + 4 * 4 * min(rows * V, 2**22) + heads
+
+
+def _compute_bytes(cfg) -> int:
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32")
+    return 2 if dtype == "bfloat16" else 4
+
+
+def peaks(table: dict) -> dict:
+    return {phase: sum(b for _, b in items) for phase, items in table.items()}
+
+
+def fit(mc, cfg, prompt_tokens: int, memory_bytes: float):
+    """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes in both phases; or
+    a string, one line naming what to lower, when even one row does not fit."""
+    import dataclasses
+    over = lambda c, phase: peaks(plan(mc, c, prompt_tokens))[phase] > memory_bytes
+    gib = lambda x: f"{x / GB:.1f} GB"
+    # rows: whole groups (multiples of N) down to one group, then powers of two below N
+    N = cfg.n_rollouts
+    options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)),
+                      *(2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))}, reverse=True)
+    options = [x for x in options if x <= cfg.max_rows]
+    rows = next((x for x in options if not over(dataclasses.replace(cfg, max_rows=x), "rollout")), None)
+    if rows is None:
+        one = peaks(plan(mc, dataclasses.replace(cfg, max_rows=1), prompt_tokens))["rollout"]
+        return (f"--memory_gb {memory_bytes / GB:.1f}: even one rollout row needs {gib(one)} "
+                f"(lower --max_new_tokens or --eval_samples, or use a smaller --model)")
+    mb = cfg.micro_batch
+    while mb > 1 and over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
+        mb = mb // 2 if mb & (mb - 1) == 0 else 2 ** int(math.log2(mb))
+    if over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
+        need = peaks(plan(mc, dataclasses.replace(cfg, micro_batch=1), prompt_tokens))["update"]
+        hint = "--grad_ckpt 1, " if not cfg.grad_ckpt else ""
+        return (f"--memory_gb {memory_bytes / GB:.1f}: the update of one row needs {gib(need)} "
+                f"(try {hint}a lower --max_new_tokens, --kl_coef 0, or a smaller --model)")
+    return rows, mb
+
+
+def default_memory_bytes(device) -> float:
+    """--memory_gb 0: the CUDA device's total memory less a margin; on a CPU, the machine's RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory * CUDA_MARGIN
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def format_plan(table: dict, memory_bytes: float | None = None) -> str:
+    """The table every run prints before its first step (and --plan alone)."""
+    lines = []
+    for phase, items in table.items():
+        total = sum(b for _, b in items)
+        lines.append(f"{phase} peak (estimate): {total / GB:8.2f} GB"
+                     + (f" of {memory_bytes / GB:.1f} GB" if memory_bytes else ""))
+        lines += [f"    {name:<48s} {b / GB:8.3f} GB" for name, b in items]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Time per step on one GPU: a roofline estimate, not a measurement
+
+H100 = dict(name="one H100 80GB SXM", flops=989e12, bytes_s=3.35e12)  # dense bf16 peak, HBM3 bandwidth
+MFU = 0.4  # fraction of the peak that eager bf16 matmuls reach (assumed)
+OP_S = 5e-6  # seconds per eager kernel launch on the decode path (assumed)
+OPS_PER_LAYER = 60  # eager ops per decoder layer per decode step (cascade attention, rotary, norms, MLP)
+
+
+def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5) -> dict:
+    """Rough seconds per step: every response at full length, `keep` of the groups surviving
+    dynamic sampling. A decode step costs its matmul FLOPs or its bytes (bf16 weights, the KV cache
+    read, the (rows, V) sampling buffers), whichever is slower, plus its kernel launches; the update
+    costs 2 FLOPs per Linear weight per token for each forward (old log-probs, policy, the
+    replay under --grad_ckpt, the reference) and 4 for the backward."""
+    H, I, L, V, nh, nkv, hd = _shape(mc)
+    _, linear = param_counts(mc)
+    B, N, T, P = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens
+    rows = rollout_rows(cfg, N, 4 * B)
+    chunks = math.ceil(B / keep * N / rows)
+    flop_s = gpu["flops"] * MFU
+    bytes_step = 2 * linear + rows * (P + T / 2) * L * nkv * hd * 4 + rows * V * sampling_bytes_per_row(1, 2, 1.0)
+    per_token = max(2 * linear * rows / flop_s, bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
+    rollout = chunks * T * per_token
+    forwards = 1 + (cfg.old_logp != "sampler") + cfg.grad_ckpt + (cfg.kl_coef > 0)
+    update = B * N * (P / N + T) * 2 * linear * (forwards + 2) / flop_s
+    return {"rollout": rollout, "update": update, "step": rollout + update}
+
+
+# ----------------------------------------------------------------------------
+# Measuring, to check the estimate on a CPU: the peak of live tensor bytes
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage created while active, until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def _free(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def track(self, t, nbytes_now=True):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in self.seen:  # a new storage (views share their base's)
+            self.seen.add(key)
+            self.live += st.nbytes() if nbytes_now else 0
+            weakref.finalize(st, self._free, key, st.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.track(t)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measure_peak(fn, existing=lambda: ()):
+    """(fn's result, peak bytes of tensors allocated while fn runs and alive at once, less those of
+    `existing()` it frees meanwhile; a function, so that no reference to them is held here). What
+    existed before (weights, AdamW state) is not counted: add it."""
+    meter = _LiveBytes()
+    for t in existing():
+        meter.track(t, nbytes_now=False)  # counts 0 now, -nbytes when freed
+    with meter:
+        out = fn()
+    return out, meter.peak

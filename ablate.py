@@ -195,6 +195,8 @@ def run_summary(rows: list[dict], clock: str) -> dict:
         "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / max(samples, 1),
         "rollout_tokens_per_s": tokens / max(sum(r["time_rollout"] for r in steps), 1e-9),
         "train_wall_s": rows[-1].get("train_wall_s", 0.0), "train_cpu_s": rows[-1].get("train_cpu_s", 0.0),
+        # throughput on the budget clock: on a shared CPU the cpu clock's figure is the one load cannot distort
+        "samples_per_s": samples / max(rows[-1].get(f"train_{clock}_s", 0.0), 1e-9),
         # the curves: (training time on `clock`, samples so far, held-out pass@1) at each evaluation
         "curve": [(r.get(f"train_{clock}_s", 0.0), sum(s["samples"] for s in steps if s["step"] <= r["step"]),
                    r["eval_pass@1"]) for r in evals],
@@ -233,19 +235,21 @@ def summary_markdown(result: dict) -> str:
              "Held-out pass@1 (temperature 0.6, top_p 0.95) and pass@k (k = eval samples) at the end of each run: "
              "mean ± sd over seeds [each seed]; the other columns are means over seeds. Samples: rollouts "
              "generated (dropped groups included); keep rate: groups surviving dynamic sampling / groups "
-             f"generated; training time excludes evaluations (budget clock: {clock}).\n",
-             "| config | seeds | pass@1 start | pass@1 end | pass@k end | samples | steps | keep rate | "
-             "rollout tok/s | train wall s | train cpu s |", "|" + "---|" * 11]
+             f"generated; samples/s: per second of training on the budget clock ({clock}); rollout tok/s: "
+             "tokens per wall second of rollout (load on the machine lowers it); training time excludes "
+             "evaluations.\n",
+             "| config | seeds | pass@1 start | pass@1 end | pass@k end | samples | samples/s | steps | keep rate | "
+             "rollout tok/s | train wall s | train cpu s |", "|" + "---|" * 12]
     for label, c in result["configs"].items():
         if not c["runs"]:
-            lines.append(f"| {label} | 0 | | | | | | | | | |")
+            lines.append(f"| {label} | 0 |" + " |" * 10)
             continue
         m, seeds = c["mean"], sorted(c["runs"])
         each = lambda k: "/".join(f"{c['runs'][s][k]:.3f}" for s in seeds)
         lines.append(
             f"| {label} | {len(seeds)} | {m['pass@1_start'][0]:.3f} | {m['pass@1'][0]:.3f} ± {m['pass@1'][1]:.3f} "
             f"[{each('pass@1')}] | {m['pass@k'][0]:.3f} ± {m['pass@k'][1]:.3f} [{each('pass@k')}] | "
-            f"{m['samples'][0]:,.0f} | {m['steps'][0]:.1f} | {m['keep_rate'][0]:.2f} | "
+            f"{m['samples'][0]:,.0f} | {m['samples_per_s'][0]:,.0f} | {m['steps'][0]:.1f} | {m['keep_rate'][0]:.2f} | "
             f"{m['rollout_tokens_per_s'][0]:,.0f} | {m['train_wall_s'][0]:.1f} | {m['train_cpu_s'][0]:.1f} |")
     crashed = [(label, s, e) for label, c in result["configs"].items() for s, e in c["crashed"].items()]
     if crashed:

@@ -44,11 +44,13 @@ Run:
   python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
+  python brorl.py --time_budget 20 --budget_clock cpu --steps 100000   # stop after 20 s of this process's CPU
   python brorl.py --help                       # every flag
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
 (tasks and the embedded model; tasks.py reads real datasets by schema), harness.py (command line,
-run directory, checkpoints, plots, the --eval_only report).
+run directory, checkpoints, plots, the --eval_only report); on top of this file, ablate.py
+(sweeps of runs over flags and seeds) and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 

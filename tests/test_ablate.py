@@ -122,7 +122,8 @@ def reference_summary(run_dir):
             "pass@1_start": rows[0]["eval_pass@1"], "steps": len(steps), "samples": n,
             "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / n,
             "rollout_tokens_per_s": sum(r["resp_len"] * r["samples"] for r in steps) / sum(r["time_rollout"] for r in steps),
-            "train_cpu_s": steps[-1]["train_cpu_s"]}
+            "train_cpu_s": steps[-1]["train_cpu_s"], "train_wall_s": steps[-1]["train_wall_s"],
+            "samples_per_s": n / steps[-1]["train_wall_s"]}  # the sweep's budget clock: wall, the default
 
 
 def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
@@ -173,3 +174,17 @@ def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):
     assert bad["runs"] == {} and "exit 2" in bad["crashed"][0] and "no such directory" in bad["crashed"][0]
     assert not (out / "model=no-model" / "seed0" / "done.json").exists()
     assert "model=no-model seed 0: exit 2" in (out / "summary.md").read_text()
+
+
+def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
+    """The far end of the difficulty map (data.py VARIANTS["harder"]): it answers in format, and its
+    build report puts the correct rate at T = 1 under 1% and under the hard model's."""
+    import re
+    model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL_HARDER), torch.device("cpu"))
+    report = json.loads((brorl.data.EMBEDDED_MODEL_HARDER / "warmstart.json").read_text())
+    hard = json.loads((brorl.data.EMBEDDED_MODEL_HARD / "warmstart.json").read_text())
+    assert report["config"]["p_correct"] == brorl.data.VARIANTS["harder"]["p_correct"]
+    assert report["heldout"]["temp1"]["pass@1"] < min(0.01, hard["heldout"]["temp1"]["pass@1"])
+    probs = brorl.data.load_task("arith", "test", n=8, seed=5)
+    ro = brorl.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
+    assert sum(not t and re.fullmatch(r"[0-9]+", x) is not None for x, t in zip(ro.texts, ro.truncated.tolist())) >= 0.9 * len(ro.texts)

@@ -15,14 +15,15 @@ ckpt/), plus log.txt (the run's stdout and stderr) and done.json (the command, w
 the run exits 0). <config> names the axes' values, e.g. `n_rollouts=16,prompts_per_step=8`.
 Rerunning the same command skips every run whose done.json holds the same command and reruns the
 others from scratch (a crashed or killed run); a done.json with another command is an error, not
-silently mixed in. A crashed run is reported (and listed in summary.md) and the sweep goes on.
+silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on.
 At the end, over the runs of this grid:
-  summary.md   per config: held-out pass@1 and pass@k at the end (mean, sd and each seed), at the
-               start, samples generated, steps, keep rate, rollout tokens/s, training time
-  summary.json the same numbers, per run and per config
-  summary.png  held-out pass@1 against training time (the runs' --budget_clock) and against
-               samples generated: one line per config (mean over seeds), a band from the lowest
-               to the highest seed
+  <out>/summary.md    per config: held-out pass@1 and pass@k at the end (mean, sd and each seed),
+                      at the start, samples generated, samples/s, steps, keep rate, rollout
+                      tokens/s, training time
+  <out>/summary.json  the same numbers, per run and per config
+  <out>/summary.png   held-out pass@1 against training time (the runs' --budget_clock) and against
+                      samples generated: one line per config (mean over seeds), a band from the
+                      lowest to the highest seed
 
 Equal compute on a shared CPU: give every run the same budget in process CPU seconds,
 `--time_budget 90 --budget_clock cpu --steps 100000`, and one thread each (--threads 1, the
@@ -44,7 +45,6 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -194,11 +194,11 @@ def run_summary(rows: list[dict], clock: str) -> dict:
         # groups that survived dynamic sampling / groups generated, over the whole run
         "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / max(samples, 1),
         "rollout_tokens_per_s": tokens / max(sum(r["time_rollout"] for r in steps), 1e-9),
-        "train_wall_s": rows[-1].get("train_wall_s", 0.0), "train_cpu_s": rows[-1].get("train_cpu_s", 0.0),
+        "time_train_wall": rows[-1].get("time_train_wall", 0.0), "time_train_cpu": rows[-1].get("time_train_cpu", 0.0),
         # throughput on the budget clock: on a shared CPU the cpu clock's figure is the one load cannot distort
-        "samples_per_s": samples / max(rows[-1].get(f"train_{clock}_s", 0.0), 1e-9),
+        "samples_per_s": samples / max(rows[-1].get(f"time_train_{clock}", 0.0), 1e-9),
         # the curves: (training time on `clock`, samples so far, held-out pass@1) at each evaluation
-        "curve": [(r.get(f"train_{clock}_s", 0.0), sum(s["samples"] for s in steps if s["step"] <= r["step"]),
+        "curve": [(r.get(f"time_train_{clock}", 0.0), sum(s["samples"] for s in steps if s["step"] <= r["step"]),
                    r["eval_pass@1"]) for r in evals],
     }
 
@@ -208,7 +208,7 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: list[dict], out: Path, command: str) -> dict:
-    """summary.json, summary.md and summary.png over the finished runs of this grid."""
+    """<out>/summary.{md,json,png} over the finished runs of this grid."""
     clocks = {json.loads((r["dir"] / "config.json").read_text()).get("budget_clock", "wall")
               for r in runs if r["status"] != "crashed"}
     clock = clocks.pop() if len(clocks) == 1 else "wall"
@@ -223,9 +223,10 @@ def summarize(runs: list[dict], out: Path, command: str) -> dict:
         per_seed = list(c["runs"].values())
         c["mean"] = {k: mean_sd([s[k] for s in per_seed]) for k in per_seed[0] if k != "curve"} if per_seed else {}
     result = dict(command=command, clock=clock, configs=configs)
-    (out / "summary.json").write_text(json.dumps(result, indent=1))
-    (out / "summary.md").write_text(summary_markdown(result))
-    plot_summary(result, out / "summary.png")
+    stem = out / "summary"  # <out>/summary.{md,json,png}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(summary_markdown(result))
+    plot_summary(result, stem.with_suffix(".png"))
     return result
 
 
@@ -250,7 +251,7 @@ def summary_markdown(result: dict) -> str:
             f"| {label} | {len(seeds)} | {m['pass@1_start'][0]:.3f} | {m['pass@1'][0]:.3f} ± {m['pass@1'][1]:.3f} "
             f"[{each('pass@1')}] | {m['pass@k'][0]:.3f} ± {m['pass@k'][1]:.3f} [{each('pass@k')}] | "
             f"{m['samples'][0]:,.0f} | {m['samples_per_s'][0]:,.0f} | {m['steps'][0]:.1f} | {m['keep_rate'][0]:.2f} | "
-            f"{m['rollout_tokens_per_s'][0]:,.0f} | {m['train_wall_s'][0]:.1f} | {m['train_cpu_s'][0]:.1f} |")
+            f"{m['rollout_tokens_per_s'][0]:,.0f} | {m['time_train_wall'][0]:.1f} | {m['time_train_cpu'][0]:.1f} |")
     crashed = [(label, s, e) for label, c in result["configs"].items() for s, e in c["crashed"].items()]
     if crashed:
         lines += ["", "Crashed runs (not in the table; rerun the command to retry them):", ""]
@@ -339,8 +340,9 @@ def main(argv=None) -> dict:
         sys.exit(f"error: {e}")
     command = "python ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = summarize(runs, out, command)
-    print((out / "summary.md").read_text())
-    print(f"wrote {out / 'summary.md'}, {out / 'summary.png'}")
+    table = (out / "summary").with_suffix(".md")
+    print(table.read_text())
+    print(f"wrote {table} and its .json, .png")
     return result
 
 

@@ -659,7 +659,7 @@ def train(cfg: Config) -> list:
 
     # Training time so far, evaluations and checkpoints excluded (their cost must favour no config):
     # wall seconds, and this process's CPU seconds (all its threads), which other processes cannot inflate
-    clock = {k: rows[-1].get(k, 0.0) if rows else 0.0 for k in ("train_wall_s", "train_cpu_s")}
+    clock = {k: rows[-1].get(k, 0.0) if rows else 0.0 for k in ("time_train_wall", "time_train_cpu")}
     if not ckpt:
         m0, q_start = log_eval(0)
         rows.append({"step": 0, **m0, **clock})
@@ -677,10 +677,10 @@ def train(cfg: Config) -> list:
         keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]
         if ref_model is not None and step % cfg.ref_reset_every == 0:
             ref_model.load_state_dict(model.state_dict())  # ProRL: reset the reference, keep Adam state
-        clock["train_wall_s"] += time.perf_counter() - wall
-        clock["train_cpu_s"] += time.process_time() - cpu
+        clock["time_train_wall"] += time.perf_counter() - wall
+        clock["time_train_cpu"] += time.process_time() - cpu
         m.update(clock)
-        spent = 0 < cfg.time_budget <= clock[f"train_{cfg.budget_clock}_s"]  # this step is the last
+        spent = 0 < cfg.time_budget <= clock[f"time_train_{cfg.budget_clock}"]  # this step is the last
         # --- eval, log, checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps or spent:
             m.update(log_eval(step, q_start)[0])
@@ -693,7 +693,7 @@ def train(cfg: Config) -> list:
                 checkpoint(step)
         tqdm.write(log_line(m))
         if spent:
-            tqdm.write(f"time budget spent: {clock[f'train_{cfg.budget_clock}_s']:.1f} s ({cfg.budget_clock}) "
+            tqdm.write(f"time budget spent: {clock[f'time_train_{cfg.budget_clock}']:.1f} s ({cfg.budget_clock}) "
                        f">= --time_budget {cfg.time_budget:g}; stopped after step {step}")
             break
     metrics_file.close()

@@ -66,20 +66,20 @@ def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
     rows = brorl.train(brorl.parse_config(["--steps", "1000", "--eval_every", "1000", "--time_budget", str(budget),
                                            "--budget_clock", "cpu", "--out", str(tmp_path), *TINY[:-2]]))
     last = rows[-1]
-    assert last["train_cpu_s"] >= budget and all(r["train_cpu_s"] < budget for r in rows[:-1])
+    assert last["time_train_cpu"] >= budget and all(r["time_train_cpu"] < budget for r in rows[:-1])
     assert 1 <= last["step"] < 1000 and [r["step"] for r in rows] == list(range(last["step"] + 1))
     assert "eval_pass@1" in last and "mass_mean" in last  # evaluated as at the end
     state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
     assert state["step"] == last["step"]  # and checkpointed there
-    clocks = [r["train_wall_s"] for r in rows]
+    clocks = [r["time_train_wall"] for r in rows]
     assert clocks[0] == 0 and clocks == sorted(clocks)
     # without a budget --steps decides, and the clock is still logged
     rows = brorl.train(brorl.parse_config(["--steps", "2", "--out", str(tmp_path / "b"), *TINY]))
-    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["train_cpu_s"] > 0
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["time_train_cpu"] > 0
 
 
 def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
-    """An evaluation made slow (a sleep inside it) must not move train_wall_s: the clock counts the
+    """An evaluation made slow (a sleep inside it) must not move time_train_wall: the clock counts the
     steps only. With the evaluations on the clock it would exceed the run's wall time less the sleeps."""
     pause, calls, evaluate = 0.3, [], brorl.evaluate
 
@@ -93,13 +93,13 @@ def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
     rows = brorl.train(brorl.parse_config(["--steps", "3", "--eval_every", "1", "--out", str(tmp_path), *TINY]))
     wall = time.perf_counter() - t0
     assert len(calls) == 4  # step 0 and every step
-    assert 0 < rows[-1]["train_wall_s"] <= wall - pause * len(calls)
+    assert 0 < rows[-1]["time_train_wall"] <= wall - pause * len(calls)
 
 
 def test_probe_uses_probe_samples_whatever_n(monkeypatch):
     model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
     probe = brorl.data.load_task("arith", "test", n=3, seed=0)
-    cfg = brorl.Config(n_rollouts=4, probe_samples=7)
+    cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
     sizes, generate = [], brorl.generate
     monkeypatch.setattr(brorl, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
     q, m = brorl.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0))
@@ -122,8 +122,8 @@ def reference_summary(run_dir):
             "pass@1_start": rows[0]["eval_pass@1"], "steps": len(steps), "samples": n,
             "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / n,
             "rollout_tokens_per_s": sum(r["resp_len"] * r["samples"] for r in steps) / sum(r["time_rollout"] for r in steps),
-            "train_cpu_s": steps[-1]["train_cpu_s"], "train_wall_s": steps[-1]["train_wall_s"],
-            "samples_per_s": n / steps[-1]["train_wall_s"]}  # the sweep's budget clock: wall, the default
+            "time_train_cpu": steps[-1]["time_train_cpu"], "time_train_wall": steps[-1]["time_train_wall"],
+            "samples_per_s": n / steps[-1]["time_train_wall"]}  # the sweep's budget clock: wall, the default
 
 
 def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
@@ -133,7 +133,7 @@ def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatc
     result = ablate.main(argv)
     labels = ["n_rollouts=4,prompts_per_step=4", "n_rollouts=8,prompts_per_step=2"]
     assert list(result["configs"]) == labels
-    md = (out / "summary.md").read_text()
+    md = (out / "summary").with_suffix(".md").read_text()
     assert (out / "summary.png").stat().st_size > 10_000 and "Crashed" not in md
     for label in labels:
         runs = result["configs"][label]["runs"]
@@ -173,7 +173,7 @@ def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):
     assert sorted(ok["runs"]) == [0] and (out / "model=tiny-arith" / "seed0" / "done.json").is_file()
     assert bad["runs"] == {} and "exit 2" in bad["crashed"][0] and "no such directory" in bad["crashed"][0]
     assert not (out / "model=no-model" / "seed0" / "done.json").exists()
-    assert "model=no-model seed 0: exit 2" in (out / "summary.md").read_text()
+    assert "model=no-model seed 0: exit 2" in (out / "summary").with_suffix(".md").read_text()
 
 
 def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():

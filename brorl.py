@@ -45,11 +45,13 @@ Run:
   python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
+  python brorl.py --time_budget 20 --budget_clock cpu --steps 100000   # stop after 20 s of this process's CPU
   python brorl.py --help                       # every flag
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
 (tasks and the embedded model; tasks.py reads real datasets by schema), harness.py (command line,
-run directory, checkpoints, plots, the --eval_only report).
+run directory, checkpoints, plots, the --eval_only report); on top of this file, ablate.py
+(sweeps of runs over flags and seeds) and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
@@ -128,12 +130,15 @@ class Config:
     # math tasks: rules (verify.py), math_verify, or both = correct if either accepts (the paper's)
     verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else rules
     # schedule, eval, output
-    steps: int = 100  # training steps
+    steps: int = 100  # training steps (the most, with --time_budget)
+    time_budget: float = 0.0  # seconds of training (evaluations excluded); stop at the first step past it (0: off)
+    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time: others' load cannot inflate it)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
     eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper 16)
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
-    probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked (N each)
+    probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
+    probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike across N
     memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
     plan: bool = False  # print the memory plan (planner.py) for these flags and exit, loading no weights
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
@@ -197,6 +202,9 @@ def check_config(cfg: Config) -> str:
         (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
+        (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
+        (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
+        (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
     ]
     return next((msg for ok, msg in checks if not ok), "")
 
@@ -572,10 +580,10 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
 
 
 def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
-    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of N rollouts at the
-    training temperature: Theorem 1's Q_pos for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises
-    with it (docs/paper.md §3)."""
-    ro = generate(model, tok, [e["prompt"] for e in probe], cfg.n_rollouts, cfg.max_new_tokens,
+    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples rollouts
+    at the training temperature (not N: runs with different N are measured alike): Theorem 1's Q_pos
+    for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises with it (docs/paper.md §3)."""
+    ro = generate(model, tok, [e["prompt"] for e in probe], cfg.probe_samples, cfg.max_new_tokens,
                   cfg.temperature, cfg.top_p, cfg.max_rows, gen, cfg.system_prompt)
     q = score(ro, [e["answer"] for e in probe], probe[0]["task"], cfg.verifier, tok).mean(1)  # (P,)
     m = {"mass_mean": q.mean().item()}
@@ -593,6 +601,7 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
         "reward_mean": r.mean().item(),
         "keep_rate": stats["groups_survived"] / max(stats["groups_generated"], 1),  # before truncation to B
         "groups_kept": stats["groups_kept"], "sample_rounds": stats["rounds"],
+        "samples": r.numel(),  # rollouts generated this step, dropped groups included
         "zero_adv_frac": (r.max(1).values == r.min(1).values).float().mean().item(),
         "pass@1": r.mean().item(), "pass@N": (r.max(1).values > 0).float().mean().item(),
         "resp_len": stats["tokens"] / r.numel(), "tokens_per_s": stats["tokens"] / max(t_roll, 1e-9),
@@ -773,14 +782,18 @@ def train(cfg: Config) -> list:
             q, mq = probe_mass(model, tok, probe, cfg, gen_eval, start=q_start)
         return {**m, **mq}, q
 
+    # Training time so far, evaluations and checkpoints excluded (their cost must favour no config):
+    # wall seconds, and this process's CPU seconds (all its threads), which other processes cannot inflate
+    clock = {k: rows[-1].get(k, 0.0) if rows else 0.0 for k in ("time_train_wall", "time_train_cpu")}
     if not ckpt:
         m0, q_start = log_eval(0)
-        rows.append({"step": 0, **m0})
+        rows.append({"step": 0, **m0, **clock})
         metrics_file.write(json.dumps(rows[0]) + "\n")
         tqdm.write("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
                initial=start, total=cfg.steps)
     for step in bar:
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             m = {"step": step, **rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_est)}
         except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
@@ -788,8 +801,12 @@ def train(cfg: Config) -> list:
         keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]
         if ref_model is not None and step % cfg.ref_reset_every == 0:
             ref_model.load_state_dict(model.state_dict())  # ProRL: reset the reference, keep Adam state
+        clock["time_train_wall"] += time.perf_counter() - wall
+        clock["time_train_cpu"] += time.process_time() - cpu
+        m.update(clock)
+        spent = 0 < cfg.time_budget <= clock[f"time_train_{cfg.budget_clock}"]  # this step is the last
         # --- eval, log, checkpoint
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if step % cfg.eval_every == 0 or step == cfg.steps or spent:
             m.update(log_eval(step, q_start)[0])
         rows.append(m)
         metrics_file.write(json.dumps(m) + "\n")
@@ -799,6 +816,10 @@ def train(cfg: Config) -> list:
             if cfg.save:
                 checkpoint(step)
         tqdm.write(log_line(m))
+        if spent:
+            tqdm.write(f"time budget spent: {clock[f'time_train_{cfg.budget_clock}']:.1f} s ({cfg.budget_clock}) "
+                       f">= --time_budget {cfg.time_budget:g}; stopped after step {step}")
+            break
     metrics_file.close()
     first, last = rows[0], rows[-1]
     if "eval_pass@1" in last:

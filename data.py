@@ -18,7 +18,8 @@ model then samples the right procedure about p_correct of the time on unseen pro
 slips most of the rest: pass@1 low, pass@k high. RL has to find and amplify the right mode,
 which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips a+b+1, a+b-1
 and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
-where breadth (many rollouts per prompt, large N) should matter.
+where breadth (many rollouts per prompt, large N) should matter. The harder variant (p_correct
+0.003, the only slip copying an operand) makes it rarer still: ~0.1% of samples at T = 1.
 Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
 the problem text, unless a separate held-out source is named (split "all").
 
@@ -29,7 +30,7 @@ value (V = 256 bytes + pad + eos). Qwen2's own tokenizer pipeline is byte-level 
 tokenizer_config.json says) rebuilds exactly this tokenizer.
 
 Commands:
-  python data.py build                  # both assets/tiny-arith and assets/tiny-arith-hard
+  python data.py build                  # assets/tiny-arith, tiny-arith-hard and tiny-arith-harder
   python data.py rehearsal --out /tmp/rehearsal   # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
   python data.py build --variant hard --seed 1 --out /tmp/m   # one variant, elsewhere
 """
@@ -52,6 +53,7 @@ import tasks  # real datasets by schema (imports nothing of ours)
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
+EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"  # rarer still (~0.1%): the far end of the difficulty map
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema (task math:)
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
@@ -275,6 +277,11 @@ class WarmStart:
 VARIANTS = {  # `python data.py build` builds both
     "default": dict(out=str(EMBEDDED_MODEL), p_correct=0.25),
     "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.02, slips=HARD_SLIPS, eval_samples=512),
+    # Copying an operand is the only slip, so the mixture never practises the sum's digits; p_correct
+    # below 0.02 with HARD_SLIPS did not go lower (0.005 and 0.001 gave 2.9% and 4.3% correct at T=1:
+    # the +-1 slips carry the sum's digits and the model mixes them). A shorter phase 2 (the build's time).
+    "harder": dict(out=str(EMBEDDED_MODEL_HARDER), p_correct=0.003, slips="copy_first,copy_second",
+                   steps_mixture=600, eval_samples=256),
 }
 
 
@@ -417,7 +424,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="rehearsal: decoder layers (Qwen2.5-0.5B has 24)")
     ap.add_argument("--variant", choices=["all", *VARIANTS], default="all", help="which preset(s) to build")
     for f in fields(WarmStart):  # every field is a flag; a flag given overrides the variant's value
-        ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name))
+        ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name, "").replace("%", "%%"))
     args = ap.parse_args(argv)
     if args.command == "rehearsal":
         if args.out is None:

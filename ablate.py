@@ -1,0 +1,350 @@
+"""
+ablate.py: a sweep of brorl.py runs over a grid of flags and seeds, and a summary of them. A tool on
+top of brorl.py (which never imports it): each run is `python brorl.py` in a subprocess, in its own
+run directory, so a sweep is exactly the runs you could have typed by hand.
+
+The grid. Each --grid is one axis: `flag=v1,v2,...` items whose values move TOGETHER (zipped, so
+they need equal counts); several --grid options are crossed. Every brorl.py flag is a possible axis.
+  --grid n_rollouts=16,512 prompts_per_step=8,2            2 configs: (16, 8), (512, 2)
+  --grid n_rollouts=16,512 --grid lr=1e-4,2e-4             4 configs: every N with every lr
+Each config runs once per --seeds value. Flags ablate.py does not know go to every run unchanged
+(`--preset hard --time_budget 90`); --seed and --out are ablate's to set.
+
+Layout: <out>/<config>/seed<S>/ is a brorl run directory (config.json, metrics.jsonl, metrics.png,
+ckpt/), plus log.txt (the run's stdout and stderr) and done.json (the command, written only when
+the run exits 0). <config> names the axes' values, e.g. `n_rollouts=16,prompts_per_step=8`.
+Rerunning the same command skips every run whose done.json holds the same command and reruns the
+others from scratch (a crashed or killed run); a done.json with another command is an error, not
+silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on.
+At the end, over the runs of this grid:
+  <out>/summary.md    per config: held-out pass@1 and pass@k at the end (mean, sd and each seed),
+                      at the start, samples generated, samples/s, steps, keep rate, rollout
+                      tokens/s, training time
+  <out>/summary.json  the same numbers, per run and per config
+  <out>/summary.png   held-out pass@1 against training time (the runs' --budget_clock) and against
+                      samples generated: one line per config (mean over seeds), a band from the
+                      lowest to the highest seed
+
+Equal compute on a shared CPU: give every run the same budget in process CPU seconds,
+`--time_budget 90 --budget_clock cpu --steps 100000`, and one thread each (--threads 1, the
+default): a single-threaded process's CPU time is the compute it got, whatever else runs.
+
+Add a new axis. Any Config field of brorl.py is already one: add it to brorl.py's Config (one line,
+with its comment) and sweep it, `--grid my_flag=a,b`. Something that is not a flag (a new loss, a
+new sampler) becomes one first: a Config field that selects it, then the grid sweeps that field.
+Nothing here needs to change.
+
+  python ablate.py --grid n_rollouts=16,512 prompts_per_step=8,2 --seeds 0 1 2 \\
+      --out runs/ablate/shape --preset hard --time_budget 90 --budget_clock cpu --steps 100000
+  python ablate.py --grid ... --dry_run         # print the runs' commands, run nothing
+  python ablate.py --help
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import brorl
+
+HERE = Path(__file__).resolve().parent
+RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
+
+
+# ----------------------------------------------------------------------------
+# The grid: --grid axes -> configs (flag -> value, as strings: brorl.py parses them)
+
+
+def parse_grid(axes: list[list[str]]) -> list[dict]:
+    """[["n_rollouts=16,512", "prompts_per_step=8,2"], ["lr=1e-4,2e-4"]] -> the crossed list of
+    configs [{"n_rollouts": "16", "prompts_per_step": "8", "lr": "1e-4"}, ...]: items of one axis
+    are zipped, axes are crossed (the first axis varies slowest)."""
+    fields = {f.name for f in dataclasses.fields(brorl.Config)}
+    seen, zipped_axes = set(), []
+    for axis in axes:
+        columns = {}
+        for item in axis:
+            name, eq, values = item.partition("=")
+            name = name.removeprefix("--")
+            if not eq or not name or not values:
+                raise ValueError(f"--grid {item!r}: expected flag=v1,v2,...")
+            if name not in fields:
+                raise ValueError(f"--grid {item!r}: brorl.py has no flag --{name}")
+            if name in RESERVED:
+                raise ValueError(f"--grid {item!r}: --{name} is set by the sweep (use --seeds for seeds)")
+            if name in seen:
+                raise ValueError(f"--grid {item!r}: --{name} is already on an axis")
+            vals = values.split(",")
+            if "" in vals:
+                raise ValueError(f"--grid {item!r}: an empty value")
+            seen.add(name)
+            columns[name] = vals
+        lengths = {name: len(v) for name, v in columns.items()}
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"--grid {' '.join(axis)}: values on one axis move together, so they need equal "
+                             f"counts (got {lengths}); give separate --grid options to cross them")
+        n = next(iter(lengths.values()))
+        zipped_axes.append([{name: v[i] for name, v in columns.items()} for i in range(n)])
+    configs = [dict(kv for part in combo for kv in part.items()) for combo in itertools.product(*zipped_axes)]
+    if len({tuple(sorted(c.items())) for c in configs}) < len(configs):
+        raise ValueError(f"--grid {axes}: the same config twice")
+    return configs
+
+
+def config_label(config: dict) -> str:
+    """Directory name of a config: flag=value pairs; a path value is named by its last part."""
+    return ",".join(f"{k}={Path(v).name if '/' in v else v}" for k, v in config.items()) or "base"
+
+
+def run_argv(config: dict, seed: int, run_dir: Path, passthrough: list[str]) -> list[str]:
+    """The brorl.py flags of one run (the same list is stored in done.json)."""
+    return [*passthrough, *(x for k, v in config.items() for x in (f"--{k}", v)), "--seed", str(seed),
+            "--out", str(run_dir)]
+
+
+# ----------------------------------------------------------------------------
+# Running: one subprocess per run, at most --jobs at a time; done.json marks a complete run
+
+
+def is_complete(run_dir: Path, argv: list[str]) -> bool:
+    """True if run_dir holds a finished run of exactly this command; False if it holds nothing
+    finished (never run, crashed, killed). A finished run of another command is an error."""
+    done = run_dir / "done.json"
+    if not done.is_file():
+        return False
+    recorded = json.loads(done.read_text())["argv"]
+    if recorded != argv:
+        raise ValueError(f"{run_dir} holds a finished run of another command:\n  {' '.join(recorded)}\n"
+                         f"this sweep would run:\n  {' '.join(argv)}\nuse another --out, or delete that run")
+    return True
+
+
+def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
+    """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0."""
+    for stale in ("metrics.jsonl", "done.json"):  # an unfinished earlier attempt starts over
+        (run_dir / stale).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if threads > 0:  # torch reads these at import: intra-op threads of the run
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = [sys.executable, str(HERE / "brorl.py"), *argv]
+    t0 = time.time()
+    with open(run_dir / "log.txt", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode  # paths as typed: from our cwd
+    seconds = time.time() - t0
+    if code == 0:
+        (run_dir / "done.json").write_text(json.dumps(dict(argv=argv, seconds=round(seconds, 1), threads=threads)))
+    return dict(code=code, seconds=seconds)
+
+
+def tail(path: Path, n: int = 3) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return " / ".join(line.strip()[-200:] for line in lines[-n:])
+
+
+def sweep(runs: list[dict], jobs: int, threads: int) -> list[dict]:
+    """Run every run not already complete, `jobs` at a time. Each run dict gets `status`:
+    skipped (complete before), done, or crashed (with the exit code and the log's last lines)."""
+    todo = []
+    for r in runs:
+        if is_complete(r["dir"], r["argv"]):
+            r["status"] = "skipped"
+        else:
+            todo.append(r)
+    print(f"{len(runs)} runs: {len(runs) - len(todo)} complete already, {len(todo)} to run, {jobs} at a time")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(launch, r["argv"], r["dir"], threads): r for r in todo}
+        for fut in concurrent.futures.as_completed(futures):
+            r, res = futures[fut], fut.result()
+            r["status"] = "done" if res["code"] == 0 else "crashed"
+            msg = f"{r['label']} seed {r['seed']}: {r['status']} in {res['seconds']:.0f} s"
+            if res["code"] != 0:
+                r["error"] = f"exit {res['code']}: {tail(r['dir'] / 'log.txt')}"
+                msg += f" ({r['error']}; log {r['dir'] / 'log.txt'})"
+            print(msg, flush=True)
+    return runs
+
+
+# ----------------------------------------------------------------------------
+# The summary: per run from its metrics.jsonl, per config over seeds
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_summary(rows: list[dict], clock: str) -> dict:
+    """One run's numbers from its metrics.jsonl rows (step 0 is the evaluation before training)."""
+    evals = [r for r in rows if "eval_pass@1" in r]
+    steps = [r for r in rows if r["step"] > 0]
+    samples = sum(r["samples"] for r in steps)
+    tokens = sum(r["resp_len"] * r["samples"] for r in steps)  # resp_len is tokens per generated rollout
+    return {
+        "pass@1_start": evals[0]["eval_pass@1"], "pass@1": evals[-1]["eval_pass@1"],
+        "pass@k_start": evals[0]["eval_pass@k"], "pass@k": evals[-1]["eval_pass@k"],
+        "greedy_pass@1": evals[-1]["eval_greedy_pass@1"], "mass": evals[-1]["mass_mean"],
+        "steps": rows[-1]["step"], "samples": samples,
+        # groups that survived dynamic sampling / groups generated, over the whole run
+        "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / max(samples, 1),
+        "rollout_tokens_per_s": tokens / max(sum(r["time_rollout"] for r in steps), 1e-9),
+        "time_train_wall": rows[-1].get("time_train_wall", 0.0), "time_train_cpu": rows[-1].get("time_train_cpu", 0.0),
+        # throughput on the budget clock: on a shared CPU the cpu clock's figure is the one load cannot distort
+        "samples_per_s": samples / max(rows[-1].get(f"time_train_{clock}", 0.0), 1e-9),
+        # the curves: (training time on `clock`, samples so far, held-out pass@1) at each evaluation
+        "curve": [(r.get(f"time_train_{clock}", 0.0), sum(s["samples"] for s in steps if s["step"] <= r["step"]),
+                   r["eval_pass@1"]) for r in evals],
+    }
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def summarize(runs: list[dict], out: Path, command: str) -> dict:
+    """<out>/summary.{md,json,png} over the finished runs of this grid."""
+    clocks = {json.loads((r["dir"] / "config.json").read_text()).get("budget_clock", "wall")
+              for r in runs if r["status"] != "crashed"}
+    clock = clocks.pop() if len(clocks) == 1 else "wall"
+    configs = {}
+    for r in runs:
+        c = configs.setdefault(r["label"], dict(config=r["config"], runs={}, crashed={}))
+        if r["status"] == "crashed":
+            c["crashed"][r["seed"]] = r.get("error", "")
+        else:
+            c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock)
+    for c in configs.values():
+        per_seed = list(c["runs"].values())
+        c["mean"] = {k: mean_sd([s[k] for s in per_seed]) for k in per_seed[0] if k != "curve"} if per_seed else {}
+    result = dict(command=command, clock=clock, configs=configs)
+    stem = out / "summary"  # <out>/summary.{md,json,png}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(summary_markdown(result))
+    plot_summary(result, stem.with_suffix(".png"))
+    return result
+
+
+def summary_markdown(result: dict) -> str:
+    clock = result["clock"]
+    lines = [f"# Sweep summary\n\n`{result['command']}`\n",
+             "Held-out pass@1 (temperature 0.6, top_p 0.95) and pass@k (k = eval samples) at the end of each run: "
+             "mean ± sd over seeds [each seed]; the other columns are means over seeds. Samples: rollouts "
+             "generated (dropped groups included); keep rate: groups surviving dynamic sampling / groups "
+             f"generated; samples/s: per second of training on the budget clock ({clock}); rollout tok/s: "
+             "tokens per wall second of rollout (load on the machine lowers it); training time excludes "
+             "evaluations.\n",
+             "| config | seeds | pass@1 start | pass@1 end | pass@k end | samples | samples/s | steps | keep rate | "
+             "rollout tok/s | train wall s | train cpu s |", "|" + "---|" * 12]
+    for label, c in result["configs"].items():
+        if not c["runs"]:
+            lines.append(f"| {label} | 0 |" + " |" * 10)
+            continue
+        m, seeds = c["mean"], sorted(c["runs"])
+        each = lambda k: "/".join(f"{c['runs'][s][k]:.3f}" for s in seeds)
+        lines.append(
+            f"| {label} | {len(seeds)} | {m['pass@1_start'][0]:.3f} | {m['pass@1'][0]:.3f} ± {m['pass@1'][1]:.3f} "
+            f"[{each('pass@1')}] | {m['pass@k'][0]:.3f} ± {m['pass@k'][1]:.3f} [{each('pass@k')}] | "
+            f"{m['samples'][0]:,.0f} | {m['samples_per_s'][0]:,.0f} | {m['steps'][0]:.1f} | {m['keep_rate'][0]:.2f} | "
+            f"{m['rollout_tokens_per_s'][0]:,.0f} | {m['time_train_wall'][0]:.1f} | {m['time_train_cpu'][0]:.1f} |")
+    crashed = [(label, s, e) for label, c in result["configs"].items() for s, e in c["crashed"].items()]
+    if crashed:
+        lines += ["", "Crashed runs (not in the table; rerun the command to retry them):", ""]
+        lines += [f"- {label} seed {s}: {e}" for label, s, e in crashed]
+    return "\n".join(lines) + "\n"
+
+
+def plot_summary(result: dict, path: Path):
+    """pass@1 against training time and against samples; one line per config, a min-max band over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xlabels = [f"training time, s ({result['clock']} clock, evaluations excluded)", "rollouts generated"]
+    for label, c in result["configs"].items():
+        curves = [np.array(s["curve"], dtype=float) for s in c["runs"].values()]
+        if not curves:
+            continue
+        for ax, col in zip(axes, (0, 1)):
+            # each seed on a common grid, held at its last value after it ended (no more training)
+            grid = np.linspace(0, max(cv[-1, col] for cv in curves), 200)
+            ys = np.stack([np.interp(grid, cv[:, col], cv[:, 2]) for cv in curves])  # (seeds, 200)
+            line, = ax.plot(grid, ys.mean(0), label=f"{label} ({len(curves)} seeds)")
+            ax.fill_between(grid, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2, lw=0)
+    for ax, xl in zip(axes, xlabels):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------
+# The command line
+
+
+def parse_args(argv=None):
+    # the docstring is the help, as written (the grid, the layout, equal compute, a new axis)
+    ap = argparse.ArgumentParser(description=__doc__.strip().replace("%", "%%"),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)  # so that no brorl flag is taken for an abbreviation of ours
+    ap.add_argument("--grid", nargs="+", action="append", default=[], metavar="FLAG=V1,V2",
+                    help="one axis: brorl flags whose values move together (zipped); repeat --grid to cross axes")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="seeds; every config runs once per seed")
+    ap.add_argument("--out", default="", help="sweep directory (default: runs/ablate-<time>)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (default: 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per run (OMP_NUM_THREADS); 0 leaves the environment's (default: 1)")
+    ap.add_argument("--dry_run", action="store_true", help="print the runs' commands and stop")
+    args, passthrough = ap.parse_known_args(argv)
+    for flag in passthrough:
+        if flag.startswith("--") and flag[2:].split("=")[0] in RESERVED:
+            ap.error(f"{flag}: ablate.py sets each run's --seed and --out (use --seeds and --out), and never resumes")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: need >= 1")
+    if len(set(args.seeds)) < len(args.seeds):
+        ap.error(f"--seeds {args.seeds}: a seed twice")
+    try:
+        configs = parse_grid(args.grid)
+    except ValueError as e:
+        ap.error(str(e))
+    return args, configs, passthrough
+
+
+def main(argv=None) -> dict:
+    args, configs, passthrough = parse_args(argv)
+    out = Path(args.out or f"runs/ablate-{time.strftime('%Y%m%d-%H%M%S')}")
+    labels = [config_label(c) for c in configs]
+    if len(set(labels)) < len(labels):
+        sys.exit(f"error: two configs get the same directory name ({labels}); a path value is named by its last part")
+    runs = [dict(config=c, label=label, seed=s, dir=out / label / f"seed{s}",
+                 argv=run_argv(c, s, out / label / f"seed{s}", passthrough))
+            for c, label in zip(configs, labels) for s in args.seeds]
+    for r in runs:  # every run's flags checked before any starts (exits with brorl's one-line error)
+        brorl.parse_config(r["argv"])
+    if args.dry_run:
+        print("\n".join(f"python brorl.py {' '.join(r['argv'])}" for r in runs))
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        sweep(runs, args.jobs, args.threads)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    command = "python ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = summarize(runs, out, command)
+    table = (out / "summary").with_suffix(".md")
+    print(table.read_text())
+    print(f"wrote {table} and its .json, .png")
+    return result
+
+
+if __name__ == "__main__":
+    main()

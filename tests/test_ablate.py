@@ -1,0 +1,190 @@
+"""ablate.py (the grid, the skip rule, the summary against the runs' own metrics.jsonl, a real
+2-config x 2-seed sweep) and what brorl.py gives it: --time_budget, the training clock, --probe_samples."""
+
+import json
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+import ablate
+import brorl
+
+TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
+        "--probe_prompts", "2", "--probe_samples", "8", "--max_rows", "256", "--save", "0"]
+
+
+# ----------------------------------------------------------------------------
+# the grid
+
+
+def test_grid_zips_one_axis_and_crosses_axes():
+    configs = ablate.parse_grid([["n_rollouts=16,512", "--prompts_per_step=8,2"], ["lr=1e-4,2e-4,3e-4"]])
+    want = [dict(n_rollouts=n, prompts_per_step=b, lr=lr) for n, b in (("16", "8"), ("512", "2"))
+            for lr in ("1e-4", "2e-4", "3e-4")]
+    assert configs == want  # the first axis varies slowest
+    assert ablate.parse_grid([]) == [{}]  # no grid: one config, brorl's defaults and the flags passed
+    assert ablate.config_label(dict(model="assets/tiny-arith-hard", n_rollouts="16")) == "model=tiny-arith-hard,n_rollouts=16"
+
+
+@pytest.mark.parametrize("axes, needle", [
+    ([["n_rollouts=16,512", "prompts_per_step=8"]], "need equal counts"),
+    ([["n_rollouts"]], "expected flag=v1,v2"),
+    ([["n_rollouts="]], "expected flag=v1,v2"),
+    ([["n_rollouts=16,,512"]], "an empty value"),
+    ([["no_such_flag=1,2"]], "brorl.py has no flag --no_such_flag"),
+    ([["seed=0,1"]], "--seed is set by the sweep"),
+    ([["n_rollouts=16,512"], ["n_rollouts=32"]], "--n_rollouts is already on an axis"),
+    ([["n_rollouts=16,16"]], "the same config twice"),
+])
+def test_grid_errors_name_the_item(axes, needle):
+    with pytest.raises(ValueError, match=needle):
+        ablate.parse_grid(axes)
+
+
+def test_command_line_passes_other_flags_through(capsys):
+    args, configs, passthrough = ablate.parse_args(
+        ["--preset", "hard", "--grid", "n_rollouts=16,512", "prompts_per_step=8,2", "--seeds", "0", "1",
+         "--temperature", "0.9", "--grid", "lr=1e-4,2e-4"])
+    assert passthrough == ["--preset", "hard", "--temperature", "0.9"] and args.seeds == [0, 1]
+    assert len(configs) == 4
+    for bad, needle in ((["--seed", "3"], "--seed: ablate.py sets"), (["--resume=x"], "--resume=x: ablate.py sets"),
+                        (["--jobs", "0"], "--jobs 0"), (["--grid", "n_rollouts=16,8", "prompts_per_step=2"], "equal counts")):
+        with pytest.raises(SystemExit):
+            ablate.parse_args(bad)
+        assert needle in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------
+# brorl.py: the time budget, the training clock, the probe
+
+
+def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
+    budget = 0.4  # CPU seconds: a few tiny steps, however fast the machine
+    rows = brorl.train(brorl.parse_config(["--steps", "1000", "--eval_every", "1000", "--time_budget", str(budget),
+                                           "--budget_clock", "cpu", "--out", str(tmp_path), *TINY[:-2]]))
+    last = rows[-1]
+    assert last["time_train_cpu"] >= budget and all(r["time_train_cpu"] < budget for r in rows[:-1])
+    assert 1 <= last["step"] < 1000 and [r["step"] for r in rows] == list(range(last["step"] + 1))
+    assert "eval_pass@1" in last and "mass_mean" in last  # evaluated as at the end
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == last["step"]  # and checkpointed there
+    clocks = [r["time_train_wall"] for r in rows]
+    assert clocks[0] == 0 and clocks == sorted(clocks)
+    # without a budget --steps decides, and the clock is still logged
+    rows = brorl.train(brorl.parse_config(["--steps", "2", "--out", str(tmp_path / "b"), *TINY]))
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["time_train_cpu"] > 0
+
+
+def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
+    """An evaluation made slow (a sleep inside it) must not move time_train_wall: the clock counts the
+    steps only. With the evaluations on the clock it would exceed the run's wall time less the sleeps."""
+    pause, calls, evaluate = 0.3, [], brorl.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        calls.append(1)
+        time.sleep(pause)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(brorl, "evaluate", slow_evaluate)
+    t0 = time.perf_counter()
+    rows = brorl.train(brorl.parse_config(["--steps", "3", "--eval_every", "1", "--out", str(tmp_path), *TINY]))
+    wall = time.perf_counter() - t0
+    assert len(calls) == 4  # step 0 and every step
+    assert 0 < rows[-1]["time_train_wall"] <= wall - pause * len(calls)
+
+
+def test_probe_uses_probe_samples_whatever_n(monkeypatch):
+    model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
+    probe = brorl.data.load_task("arith", "test", n=3, seed=0)
+    cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
+    sizes, generate = [], brorl.generate
+    monkeypatch.setattr(brorl, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
+    q, m = brorl.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0))
+    assert sizes == [7] and q.shape == (3,)
+    assert torch.allclose(q * 7, (q * 7).round(), atol=1e-5)  # pass rates of 7 samples
+    assert math.isclose(m["mass_mean"], q.double().mean().item(), rel_tol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# a real sweep: 2 configs x 2 seeds, the summary against metrics.jsonl, the skip rule
+
+
+def reference_summary(run_dir):
+    """The summary's per-run numbers, recomputed here from the run's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_pass@1" in r]
+    steps = rows[1:]
+    n = sum(r["samples"] for r in steps)
+    return {"pass@1": evals[-1]["eval_pass@1"], "pass@k": evals[-1]["eval_pass@k"],
+            "pass@1_start": rows[0]["eval_pass@1"], "steps": len(steps), "samples": n,
+            "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / n,
+            "rollout_tokens_per_s": sum(r["resp_len"] * r["samples"] for r in steps) / sum(r["time_rollout"] for r in steps),
+            "time_train_cpu": steps[-1]["time_train_cpu"], "time_train_wall": steps[-1]["time_train_wall"],
+            "samples_per_s": n / steps[-1]["time_train_wall"]}  # the sweep's budget clock: wall, the default
+
+
+def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    argv = ["--grid", "n_rollouts=4,8", "prompts_per_step=4,2", "--seeds", "0", "1", "--jobs", "2",
+            "--out", str(out), "--steps", "2", "--eval_every", "1", *TINY[4:]]
+    result = ablate.main(argv)
+    labels = ["n_rollouts=4,prompts_per_step=4", "n_rollouts=8,prompts_per_step=2"]
+    assert list(result["configs"]) == labels
+    md = (out / "summary").with_suffix(".md").read_text()
+    assert (out / "summary.png").stat().st_size > 10_000 and "Crashed" not in md
+    for label in labels:
+        runs = result["configs"][label]["runs"]
+        assert sorted(runs) == [0, 1]
+        ref = {s: reference_summary(out / label / f"seed{s}") for s in (0, 1)}
+        for s in (0, 1):
+            for k, v in ref[s].items():
+                assert math.isclose(runs[s][k], v, rel_tol=1e-12), (label, s, k)
+        final = [ref[s]["pass@1"] for s in (0, 1)]
+        mean, sd = result["configs"][label]["mean"]["pass@1"]
+        assert math.isclose(mean, statistics.fmean(final)) and math.isclose(sd, statistics.stdev(final))
+        row = next(line for line in md.splitlines() if line.startswith(f"| {label} |"))
+        assert f"{statistics.fmean(final):.3f} ± {statistics.stdev(final):.3f} [{final[0]:.3f}/{final[1]:.3f}]" in row
+        assert f"| {statistics.fmean(ref[s]['samples'] for s in (0, 1)):,.0f} |" in row
+        config = json.loads((out / label / "seed1" / "config.json").read_text())
+        assert config["seed"] == 1 and config["steps"] == 2 and str(config["n_rollouts"]) in label
+
+    # the same command again: every run is complete, nothing is launched, the summary is the same
+    launched = []
+    monkeypatch.setattr(ablate, "launch", lambda argv, run_dir, threads: launched.append(run_dir) or dict(code=0, seconds=0))
+    again = ablate.main(argv)
+    assert launched == [] and json.dumps(again["configs"]) == json.dumps(result["configs"])
+    # a run without done.json (crashed, killed) is run again, and only it
+    (out / labels[1] / "seed0" / "done.json").unlink()
+    ablate.main(argv)
+    assert launched == [out / labels[1] / "seed0"]
+    # another command on finished runs is refused, never mixed in
+    with pytest.raises(SystemExit, match="holds a finished run of another command"):
+        ablate.main([*argv, "--lr", "1e-4"])
+
+
+def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):
+    out = tmp_path / "sweep"
+    result = ablate.main(["--grid", f"model={ablate.HERE}/assets/tiny-arith,{tmp_path}/no-model", "--out", str(out),
+                          "--steps", "1", *TINY[4:]])
+    ok, bad = result["configs"]["model=tiny-arith"], result["configs"]["model=no-model"]
+    assert sorted(ok["runs"]) == [0] and (out / "model=tiny-arith" / "seed0" / "done.json").is_file()
+    assert bad["runs"] == {} and "exit 2" in bad["crashed"][0] and "no such directory" in bad["crashed"][0]
+    assert not (out / "model=no-model" / "seed0" / "done.json").exists()
+    assert "model=no-model seed 0: exit 2" in (out / "summary").with_suffix(".md").read_text()
+
+
+def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
+    """The far end of the difficulty map (data.py VARIANTS["harder"]): it answers in format, and its
+    build report puts the correct rate at T = 1 under 1% and under the hard model's."""
+    import re
+    model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL_HARDER), torch.device("cpu"))
+    report = json.loads((brorl.data.EMBEDDED_MODEL_HARDER / "warmstart.json").read_text())
+    hard = json.loads((brorl.data.EMBEDDED_MODEL_HARD / "warmstart.json").read_text())
+    assert report["config"]["p_correct"] == brorl.data.VARIANTS["harder"]["p_correct"]
+    assert report["heldout"]["temp1"]["pass@1"] < min(0.01, hard["heldout"]["temp1"]["pass@1"])
+    probs = brorl.data.load_task("arith", "test", n=8, seed=5)
+    ro = brorl.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
+    assert sum(not t and re.fullmatch(r"[0-9]+", x) is not None for x, t in zip(ro.texts, ro.truncated.tolist())) >= 0.9 * len(ro.texts)

@@ -275,7 +275,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
         assert len(prompts) == next(want)
         return orig(model, tok, prompts, *a, **k)
     monkeypatch.setattr(brorl, "generate", spy)
-    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, rng, torch.Generator(), keep_est=1.0)
+    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, rng, 1, keep_est=1.0)
     assert stats["groups_generated"] == 9 and stats["rounds"] == 2
     assert stats["groups_survived"] == 4  # keep_rate counts survivors before truncation: 4 / 9
     assert stats["groups_kept"] == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
@@ -287,8 +287,7 @@ def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
     monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=2, max_new_tokens=2, max_rounds=3)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
-    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0),
-                                           torch.Generator(), keep_est=0.5)
+    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0), 1, keep_est=0.5)
     assert kept == [] and stats["rounds"] == 3 and stats["groups_kept"] == 0
 
 

@@ -721,7 +721,7 @@ def plan_memory(cfg, model_config, tok, train_set, device) -> Config:
     say(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens, K), memory))
     t = planner.step_seconds(model_config, cfg, prompt_tokens)
     say(f"time per step on {planner.H100['name']} (roofline estimate, planner.step_seconds; not measured): "
-          f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
+        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
     return cfg
 
 

@@ -14,8 +14,8 @@ What is split and what is gathered (brorl.py calls these at each point):
     rank computes the loss of the kept rows it sampled, weighted by the mini-batch's normaliser
     summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
     default), so that the gradient is one process's up to float rounding.
-  - full weights: rollouts, evaluation, the old and reference log-probs and checkpoints use a full
-    replica of the policy, refreshed from the shards once per step (refresh()).
+  - full weights: rollouts, evaluation and checkpoints use a full replica of the policy, refreshed
+    from the shards once per step (refresh()); the reference policy (--kl_coef) is a full frozen copy.
   - output: rank 0 alone prints and writes (is_main()); the checkpoint's AdamW state is gathered
     from the shards onto rank 0 (optimizer_state()).
 

@@ -133,8 +133,8 @@ def random_prompt(length: int, seed: int) -> list:
     return [rng.randrange(33, 127) for _ in range(length)]
 
 
-def run_ours(model, ids, n, new, pad_id, gen):
-    tokens, mask = sampler.generate_group_chunk(model, [ids], n, new, 1.0, 1.0, -1, pad_id, gen)[:2]
+def run_ours(model, ids, n, new, pad_id):
+    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], n, (0, n), new, 1.0, 1.0, -1, pad_id)[:2]
     assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
     return tokens
 
@@ -160,10 +160,9 @@ def interleaved(contenders: dict, repeats: int) -> dict:
 
 def bench_sampler(path, device, dtype, cases, repeats, tok):
     ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
     ids = random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
-    a = sampler.generate_group_chunk(ours, [ids], 1, 16, 0.0, 1.0, -1, tok.pad_token_id, gen)[0]  # (1, 16)
+    a = sampler.generate_group_chunk(ours, [ids], [0], 1, (0, 1), 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
@@ -172,7 +171,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
     results = []
     for n, p, new in cases:
         ids = random_prompt(p, seed=p)
-        contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id, gen),
+        contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id),
                       "generate": lambda: run_generate(hf, ids, n, new, tok)}
         times = {k: [dt for dt, _ in runs] for k, runs in interleaved(contenders, repeats).items()}
         tps = {k: n * new / statistics.median(v) for k, v in times.items()}
@@ -200,10 +199,10 @@ def step_child(args):
     cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
                        dynamic_sampling=False, micro_batch=args.micro_batch, max_rows=max(4096, B * args.n))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    rng, gen, gen_cpu = random.Random(0), torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0)
+    rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
     rows = []
     for i in range(1 + args.steps):  # step 0 is the warm-up, not timed
-        dt, m = timed(lambda: brorl.rl_step(model, None, opt, tok, cfg, examples, rng, gen, gen_cpu, 1.0))
+        dt, m = timed(lambda: brorl.rl_step(model, model, None, opt, tok, cfg, examples, rng, i, gen_cpu, 1.0))
         assert m["resp_len"] == args.new and m["groups_kept"] == B, m  # full length, nothing dropped
         if i:
             rows.append((dt, m["time_rollout"], m["time_update"]))
@@ -257,10 +256,9 @@ def bench_varlen(path, device, dtype, repeats, tok, n=512, prompt=64, new=128, e
         h = models[0].model(torch.tensor([ids], device=device)).last_hidden_state[0].mean(0)
         for m in models:
             m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
-    gen = torch.Generator(device=device).manual_seed(0)
     contenders = {  # each returns its number of real tokens (EOS included, padding not)
-        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], n, new, 1.0, 1.0, [tok.eos_token_id],
-                                                          tok.pad_token_id, gen)[1].sum()),
+        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], n, (0, n), new, 1.0, 1.0,
+                                                          [tok.eos_token_id], tok.pad_token_id)[1].sum()),
         "generate": lambda: int((run_generate(models[1], ids, n, new, tok, forced=False)
                                  != tok.pad_token_id).sum())}
     runs = interleaved(contenders, repeats)
@@ -277,12 +275,12 @@ def bench_varlen(path, device, dtype, repeats, tok, n=512, prompt=64, new=128, e
 
 def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
     model = load_model(path, "brorl", device, dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
     print(f"\n== breadth: rollout samples/s at {samples} samples per step (B = {samples}/N prompts), "
           f"prompt {prompt}, new {new}, median of {repeats}")
     for n in ns:
         ids = [random_prompt(prompt, seed=b) for b in range(samples // n)]
-        fn = lambda: sampler.generate_group_chunk(model, ids, n, new, 1.0, 1.0, -1, tok.pad_token_id, gen)
+        fn = lambda: sampler.generate_group_chunk(model, ids, list(range(len(ids))), n, (0, n), new, 1.0, 1.0, -1,
+                                                  tok.pad_token_id)
         fn()  # warm-up
         t = statistics.median(timed(fn)[0] for _ in range(repeats))
         print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")

@@ -26,7 +26,8 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  checkpoint at every eval, from which --resume continues the run exactly.
 
 Where this simplifies the paper:
-  1. One process, one device, one engine: the trainer samples its own rollouts. In float32 the
+  1. One engine: the trainer samples its own rollouts (on one device, or on K data-parallel
+     processes with torchrun: distributed.py). In float32 the
      sampler's log-probs serve as the old policy's (--old_logp; no second forward; max|ratio-1| of
      the first mini-batch checks it: 0 up to rounding). In bf16 the old log-probs are a trainer
      forward, whose rounding differs from the decode's: that drift is logged (drift_max) and
@@ -46,12 +47,14 @@ Run:
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
   python brorl.py --time_budget 20 --budget_clock cpu --steps 100000   # stop after 20 s of this process's CPU
+  torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes (distributed.py)
   python brorl.py --help                       # every flag
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
 (tasks and the embedded model; tasks.py reads real datasets by schema), harness.py (command line,
-run directory, checkpoints, plots, the --eval_only report); on top of this file, ablate.py
-(sweeps of runs over flags and seeds) and bench.py (speed).
+run directory, checkpoints, plots, the --eval_only report), distributed.py (K processes: who samples
+what, the reductions, FSDP2); on top of this file, ablate.py (sweeps of runs over flags and seeds)
+and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
@@ -59,6 +62,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -67,17 +71,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
 import data
+import distributed
 import harness
 import planner
 import verify
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
-from sampler import Rollouts, cache_kwarg, encode_prompt, generate  # importing it registers attn_implementation="brorl"
+from sampler import Rollouts, cache_kwarg, draw_seeds, encode_prompt, generate  # importing it registers attn_implementation="brorl"
 
 # ----------------------------------------------------------------------------
 # Config: one typed source of truth; every field is a --flag, its comment is the --help
@@ -205,6 +211,9 @@ def check_config(cfg: Config) -> str:
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
         (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
         (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
+        # each step's first round asks for at least B prompts: B / K of them, at least, on every rank
+        (cfg.prompts_per_step % distributed.world_size() == 0, f"--prompts_per_step {cfg.prompts_per_step}: "
+         f"must be a multiple of the {distributed.world_size()} processes (each samples its share of the prompts)"),
     ]
     return next((msg for ok, msg in checks if not ok), "")
 
@@ -213,6 +222,27 @@ def check_config(cfg: Config) -> str:
 # Rollouts: sampler.generate (sampler.py) prefills each prompt once and decodes its N rollouts
 # against that one copy of its keys/values (cascade attention), returning Rollouts: tokens, mask,
 # the sampler's log-probs and entropies, truncation flags and texts, row r belonging to prompt r // N.
+# With K processes each samples a share of the prompts; the rewards of all come back to every rank.
+
+
+def round_seeds(seed: int, step: int, rnd: int, n: int) -> list:
+    """One seed per prompt of a sampling round: rollouts are a function of (seed, step, prompt) only,
+    never of the process that draws them nor of how many there are."""
+    stream = random.Random(f"rollouts/{seed}/{step}/{rnd}")  # a str seeds Random the same everywhere
+    return [stream.getrandbits(62) for _ in range(n)]
+
+
+def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
+    """This rank's share of the prompts, n rollouts each, sampled and scored. Returns its Rollouts
+    (None if its share is empty), the share (a range of indices into examples) and the rewards
+    (len(examples), n) of ALL prompts, gathered from every rank."""
+    mine = distributed.share(len(examples))
+    ro, r = None, torch.zeros(0, n)
+    if len(mine):
+        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n, max_new or cfg.max_new_tokens,
+                      temperature, top_p, cfg.max_rows, seeds[mine.start: mine.stop], cfg.system_prompt)
+        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier, tok)  # (len(mine), n)
+    return ro, mine, distributed.gather(r)
 
 
 # ----------------------------------------------------------------------------
@@ -232,9 +262,11 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=N
     return r.view(-1, rollouts.n)
 
 
-def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
+def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     """Sample groups until B survive dynamic sampling (or max_rounds hits). Returns the kept
-    groups as (rollouts, group index, rewards (N,)), at most B of them, and bookkeeping."""
+    groups as (rollouts, group index, rewards (N,)), at most B of them, and bookkeeping. Every rank
+    draws the same prompts and sees every group's rewards, so all keep the same groups; only the
+    rank that sampled a group holds its rollouts (on the others, rollouts is None)."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
@@ -242,17 +274,16 @@ def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
         # without dynamic sampling every group is kept: exactly the B needed
         rate = stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"] else keep_est
         want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling else B - len(kept)
-        batch = rng.sample(train_set, want)
-        ro = generate(model, tok, [ex["prompt"] for ex in batch], N, cfg.max_new_tokens,
-                      cfg.temperature, cfg.top_p, cfg.max_rows, gen, cfg.system_prompt)
-        r = score(ro, [ex["answer"] for ex in batch], batch[0]["task"], cfg.verifier, tok)  # (want, N)
+        batch = rng.sample(train_set, want)  # the same prompts on every rank
+        seeds = round_seeds(cfg.seed, step, stats["rounds"], want)
+        ro, mine, r = sample_share(model, tok, batch, N, cfg.temperature, cfg.top_p, cfg, seeds)  # r (want, N)
         stats["rounds"] += 1
         stats["groups_generated"] += want
-        stats["tokens"] += int(ro.mask.sum())
+        stats["tokens"] += int(distributed.all_sum(ro.mask.sum() if ro else 0))
         stats["rewards"].append(r)
         for g in range(want):
             if not cfg.dynamic_sampling or r[g].min() != r[g].max():
-                kept.append((ro, g, r[g]))
+                kept.append((ro, g - mine.start, r[g]) if g in mine else (None, None, r[g]))
         stats["groups_survived"] = len(kept)
     kept = kept[:B]  # DAPO keeps exactly B; extra survivors of the last round are dropped
     stats["groups_kept"] = len(kept)
@@ -261,20 +292,33 @@ def sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est):
 
 def pack_groups(kept, dev=None) -> dict:
     """Kept groups -> one training batch on `dev` (default: where the rollouts are): G prompts,
-    left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`)."""
-    G, n, dev = len(kept), kept[0][0].n, dev or kept[0][0].tokens.device
-    P = max(len(ro.prompt_ids[g]) for ro, g, _ in kept)
+    left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`).
+    `row` and `n_rows` place the rows among all ranks' (rl_step sets them when K > 1). G = 0 gives an
+    empty batch on `dev`."""
+    G, n, dev = len(kept), (kept[0][0].n if kept else 1), (dev or kept[0][0].tokens.device)
+    P = max((len(ro.prompt_ids[g]) for ro, g, _ in kept), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
     prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
     for i, (ro, g, _) in enumerate(kept):
         ids = ro.prompt_ids[g]
         prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
-    rows = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept])  # (R, T_max)
-    resp_mask = rows("mask")
-    T = int(resp_mask.any(0).nonzero().max()) + 1  # drop all-padding columns
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens")[:, :T].to(dev),
-                resp_mask=resp_mask[:, :T].to(dev), group=torch.arange(G, device=dev).repeat_interleave(n),
-                sampler_logp=rows("logp")[:, :T].to(dev), sampler_entropy=rows("entropy")[:, :T].to(dev))
+    empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
+    cat = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept]
+                                  or [torch.zeros(0, 1, dtype=empty[field])])  # (R, T_max)
+    mask = cat("mask")
+    # drop all-padding columns, but keep at least 2: response_logprobs always makes its two model calls
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
+    rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)  # (R, T), one padding column if T_max = 1
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens"),
+                resp_mask=rows("mask"), group=torch.arange(G, device=dev).repeat_interleave(n),
+                sampler_logp=rows("logp"), sampler_entropy=rows("entropy"), row=torch.arange(G * n), n_rows=G * n)
+
+
+# One empty row (a 1-token prompt, 2 padding response tokens): what a rank computes, with no effect,
+# when it holds no row of a micro-batch that other ranks hold rows of (response_logprobs)
+IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+                  resp=torch.zeros(1, 2, dtype=torch.long), resp_mask=torch.zeros(1, 2, dtype=torch.bool),
+                  group=torch.zeros(1, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------
@@ -307,7 +351,7 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
         if norm == "batch" and lengths is None:
             raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
         w = lengths if norm == "batch" else torch.ones_like(centred)  # (G, N) each response's weight
-        s_x, s_xx, n = whiten_sums(centred, w)  # (a distributed run adds these over processes)
+        s_x, s_xx, n = whiten_sums(centred, w)  # over the whole batch: with K processes every rank has it all
         mean, adv = s_x / n, centred
         if n > 1:
             var = (s_xx / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
@@ -328,6 +372,8 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 def plain_head(model):
     """The output embedding's weight (V, H) when logits = hidden @ weight.T exactly (a bias-free
     linear head, no transform in the config), so log-probs can skip the logits; else None."""
+    if isinstance(model, FSDPModule):  # sharded (K > 1): the decoder alone would skip the root's all-gather
+        return None
     head, cfg = model.get_output_embeddings(), model.config
     transforms = [k for k in LOGIT_TRANSFORMS if getattr(cfg, k, None) not in (None, 1, 1.0)]
     if type(head) is not torch.nn.Linear or head.bias is not None or transforms:
@@ -371,6 +417,13 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     so the gradient of all N rows flows back into the one prompt pass. With a plain linear head
     the decoder's hidden states go to kernels.linear_logprobs, which never holds the (r, T, V)
     logits; any other head (plain_head) gives logits, then kernels.token_logprobs."""
+    if len(rows) == 0:  # this rank holds none of these rows (K > 1): one empty row makes the same
+        # calls to the model as any micro-batch, so that every rank joins each of FSDP's collectives
+        dev = batch["resp"].device
+        idle = response_logprobs(model, {k: v.to(dev) for k, v in IDLE_BATCH.items()},
+                                 torch.zeros(1, dtype=torch.long, device=dev), temperature)  # (1, 2)
+        out = batch["sampler_logp"][:0] + 0.0 * idle.sum()  # (0, T), in the graph: backward joins too
+        return (out, out) if with_entropy else out
     head = plain_head(model)
     net = model.get_decoder() if head is not None else model  # hidden states, or logits
     states = lambda out: out.last_hidden_state if head is not None else out.logits
@@ -378,7 +431,7 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     groups, row_group = batch["group"][rows].unique(return_inverse=True)  # (g,), (r,)
     pm = batch["prompt_mask"][groups]  # (g, P)
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
-    T = int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1  # trim trailing padding
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)  # trim trailing padding, keep 2
     # 1. each prompt once; its last position predicts response token 0
     cache = ReplayCache(model.config)
     first = states(net(batch["prompt"][groups], attention_mask=pm.long(),
@@ -387,16 +440,17 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
     # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
     x = first.index_select(0, row_group)  # (r, 1, H or V)
-    if T > 1:  # 2. response tokens 0..T-2 predict tokens 1..T-1
-        row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
-                                               for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-        r, P = len(rows), pm.shape[1]
-        causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
-        attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
-        pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
-        rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
-                          **{cache_kwarg(net): row_cache}))  # (r, T-1, H or V)
-        x = torch.cat([x, rest], 1)  # (r, T, H or V): hidden states are small, logits only without a plain head
+    # 2. response tokens 0..T-2 predict tokens 1..T-1 (T >= 2: always two calls to the model, as FSDP
+    # needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
+    row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
+                                           for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
+    r, P = len(rows), pm.shape[1]
+    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
+    attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
+    pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
+    rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
+                      **{cache_kwarg(net): row_cache}))  # (r, T-1, H or V)
+    x = torch.cat([x, rest], 1)  # (r, T, H or V): hidden states are small, logits only without a plain head
     targets = resp[:, :T].masked_fill(~mask[:, :T], -100)  # (r, T)
     if head is not None:
         out = linear_logprobs(x, head, targets, temperature, with_entropy=with_entropy)
@@ -406,14 +460,16 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     return tuple(pad(x) for x in out) if with_entropy else pad(out)
 
 
-def loss_weights(mask: torch.Tensor, agg: str) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None) -> torch.Tensor:
     """Per-token weights (r, T) of a mini-batch, fixed BEFORE micro-batching so that any micro-batch
     size gives the same gradient. token: 1 / (valid tokens in the mini-batch) (DAPO, ProRL v2);
-    sequence: 1 / (row length * rows), the older per-sequence mean."""
+    sequence: 1 / (row length * rows), the older per-sequence mean. With K processes `mask` is this
+    rank's rows of the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
     m = mask.float()
+    n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=m.dtype, device=m.device)
     if agg == "token":
-        return m / m.sum().clamp(min=1)
-    return m / m.sum(1, keepdim=True).clamp(min=1) / m.shape[0]
+        return m / n_tokens.clamp(min=1)
+    return m / m.sum(1, keepdim=True).clamp(min=1) / (m.shape[0] if n_rows is None else n_rows)
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
@@ -465,37 +521,50 @@ def uses_sampler_logp(cfg, model) -> bool:
     return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and fp32)
 
 
+def micro_batches(rows: torch.Tensor, size: int) -> list:
+    """rows in micro-batches of `size`, as many on every rank as the most any rank needs: a rank with
+    fewer rows runs empty ones (response_logprobs), so every rank joins each of FSDP's collectives."""
+    n = int(distributed.all_max(math.ceil(len(rows) / size)))
+    return [rows[i * size: (i + 1) * size] for i in range(n)]
+
+
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the batch; returns the update's metrics."""
-    R = batch["resp"].shape[0]
-    micro = lambda idx: [idx[i: i + cfg.micro_batch] for i in range(0, len(idx), cfg.micro_batch)]
+    """n_minibatches optimizer steps over the step's rows; returns the update's metrics. With K
+    processes, batch holds this rank's rows (batch["row"]: their indices among all n_rows); the
+    mini-batches, their loss normalisers and every metric are those of all ranks' rows together."""
+    R, dev = batch["n_rows"], adv.device  # rows over all ranks
+    local = torch.full((R,), -1, dtype=torch.long)  # (R,) each row's index in this rank's batch, or -1
+    local[batch["row"]] = torch.arange(len(batch["row"]))
     # old (and reference) log-probs and the entropy metric, once, before any update
-    chunks = micro(torch.arange(R, device=adv.device))
-    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (R, T) each
-    with torch.no_grad(), autocast(cfg, adv.device):
+    chunks = micro_batches(torch.arange(len(adv), device=dev), cfg.micro_batch)
+    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (r, T) each
+    with torch.no_grad(), autocast(cfg, dev):
         if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
-            old_logp, ent = sampler_logp, batch["sampler_entropy"]  # (R, T) each
+            old_logp, ent = sampler_logp, batch["sampler_entropy"]  # (r, T) each
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
             old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
-                                                          for rows in chunks]))  # (R, T) each
+                                                          for rows in chunks]))  # (r, T) each
         ref_logp = torch.cat([response_logprobs(ref_model, batch, rows, cfg.temperature)
-                              for rows in chunks]) if cfg.kl_coef > 0 else None  # (R, T)
+                              for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
     # sampler/trainer drift: how far the policy that drew the tokens is from the old policy of the loss.
     # 0 by construction when the old log-probs are the sampler's (a trainer forward to measure it would
     # cost as much as --old_logp recompute; the first mini-batch's max|ratio-1| below then measures it)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
-    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (R, T)
-    m = dict(entropy=ent[valid].mean().item(), clip_frac=0.0, kl=0.0, grad_norm=0.0, max_ratio_dev=0.0,
-             drift_max=drift.max().item(), drift_mean=drift.mean().item())  # every row has >= 1 token
-    perm = torch.randperm(R, generator=gen_cpu).to(adv.device)
+    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (r, T)
+    ent = ent[valid]  # (valid tokens,)
+    m = dict(entropy=ent.sum().item(), clip_frac=0.0, kl=0.0, grad_norm=0.0, max_ratio_dev=0.0,
+             drift_max=drift.max().item() if len(drift) else 0.0, drift_mean=drift.sum().item())
+    perm = torch.randperm(R, generator=gen_cpu)  # the same on every rank
     # even mini-batches (10 rows in 4: 3, 3, 2, 2); fewer rows than n_minibatches: one row each
     minibatches = perm.tensor_split(min(cfg.n_minibatches, R))
     n_tok = 0
     for k, mb in enumerate(minibatches):
-        w = loss_weights(batch["resp_mask"][mb], cfg.loss_agg)  # (r, T), sums to 1
+        mine = local[mb][local[mb] >= 0].to(dev)  # this rank's rows of the mini-batch, in its order
+        mask_mb = batch["resp_mask"][mine]
+        w = loss_weights(mask_mb, cfg.loss_agg, distributed.all_sum(mask_mb.sum()), len(mb))  # (r, T)
         opt.zero_grad(set_to_none=True)
-        for j in range(0, len(mb), cfg.micro_batch):
-            rows, wr = mb[j: j + cfg.micro_batch], w[j: j + cfg.micro_batch]
+        for j, rows in enumerate(micro_batches(mine, cfg.micro_batch)):
+            wr = w[j * cfg.micro_batch: j * cfg.micro_batch + len(rows)]
             mask = batch["resp_mask"][rows]
             with autocast(cfg, adv.device):  # a fresh region per forward: it sees the last opt.step()
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
@@ -513,16 +582,22 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
                       ((ratio > cfg.clip_ratio_c) & (a < 0))  # dual-clip
             m["clip_frac"] += (clipped & mask).sum().item()
             n_tok += mask.sum().item()
-            if k == 0:  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
+            if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
                 m["max_ratio_dev"] = max(m["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item()
+        norm = distributed.full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)).item()
         if not math.isfinite(norm):  # never step on a NaN/inf gradient
             raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not applied")
         m["grad_norm"] += norm / len(minibatches)
         opt.step()
     opt.zero_grad(set_to_none=True)  # the gradients would otherwise sit through the next rollout
-    m["clip_frac"] /= max(n_tok, 1)
-    m["kl"] /= max(n_tok, 1)
+    # every metric over all ranks' rows
+    n_tok, n_ent = distributed.all_sum(n_tok).item(), distributed.all_sum(len(ent)).item()
+    m["entropy"] = distributed.all_sum(m["entropy"]).item() / max(n_ent, 1)
+    m["drift_mean"] = distributed.all_sum(m["drift_mean"]).item() / max(n_ent, 1)
+    m["drift_max"] = distributed.all_max(m["drift_max"]).item()
+    m["clip_frac"] = distributed.all_sum(m["clip_frac"]).item() / max(n_tok, 1)
+    m["kl"] = distributed.all_sum(m["kl"]).item() / max(n_tok, 1)
+    m["max_ratio_dev"] = distributed.all_max(m["max_ratio_dev"]).item()
     return m
 
 
@@ -530,21 +605,29 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 # One step
 
 
-def rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_est) -> dict:
-    """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics."""
-    model.eval()
+def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est) -> dict:
+    """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
+    replica: the policy's full weights, for the rollouts (the policy itself when K = 1)."""
+    replica.eval()
     t0 = time.perf_counter()
-    with autocast(cfg, model.device):  # no weight changes while sampling: the region's cache is valid
-        kept, stats = sample_step_groups(model, tok, cfg, train_set, rng, gen, keep_est)
+    with autocast(cfg, replica.device):  # no weight changes while sampling: the region's cache is valid
+        kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        batch = pack_groups(kept, model.device)
-        rewards = torch.stack([r for _, _, r in kept])  # (G, N)
-        lengths = batch["resp_mask"].sum(1).view(rewards.shape).cpu()  # (G, N) valid tokens per response
-        adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,)
+        mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups sampled here
+        batch = pack_groups([kept[j] for j in mine], model.device)
+        N = cfg.n_rollouts
+        batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * N + torch.arange(N)).flatten()  # (r,)
+        batch["n_rows"] = len(kept) * N  # R, over all ranks
+        rewards = torch.stack([r for _, _, r in kept])  # (G, N), every rank has all
+        lengths = torch.zeros(rewards.shape, dtype=torch.float64)  # (G, N) valid tokens per response:
+        lengths[mine] = batch["resp_mask"].sum(1).view(len(mine), N).double().cpu()  # this rank's groups,
+        lengths = distributed.all_sum(lengths).float()  # then every rank's
+        adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,) all ranks'
         model.train()
-        upd = update_policy(model, ref_model, opt, batch, adv.to(model.device), cfg, gen_cpu)
+        upd = update_policy(model, ref_model, opt, batch, adv[batch["row"]].to(model.device), cfg, gen_cpu)
+        distributed.refresh(model, replica)  # the replica follows the update: one gather per step
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
@@ -562,20 +645,20 @@ def eval_generator(device, seed: int, step: int) -> torch.Generator:
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
     pass@k is the unbiased estimator 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for
-    k = 1, 2, 4, ... and n itself; the mean length and truncated share of the sampled responses."""
-    prompts, answers, task = [e["prompt"] for e in examples], [e["answer"] for e in examples], examples[0]["task"]
+    k = 1, 2, 4, ... and n itself; the mean length and truncated share of the sampled responses.
+    Each rank samples its share of the prompts."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
-    ro = generate(model, tok, prompts, n, max_new, 0.6, 0.95, cfg.max_rows, gen, cfg.system_prompt)
-    correct = score(ro, answers, task, cfg.verifier, tok)  # (P, n)
-    greedy = score(generate(model, tok, prompts, 1, max_new, 0.0, 1.0, cfg.max_rows, gen, cfg.system_prompt),
-                   answers, task, cfg.verifier, tok)  # (P, 1)
+    seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
+    ro, _, correct = sample_share(model, tok, examples, n, 0.6, 0.95, cfg, seeds, max_new)  # (P, n)
+    greedy = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg, seeds, max_new)[2]  # (P, 1)
     ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
     for k in ks[1:]:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k) for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]
-    m["eval_resp_len"] = ro.mask.sum().item() / len(ro.texts)  # tokens per sampled response
-    m["eval_truncated"] = ro.truncated.float().mean().item()  # share that hit the length cap
+    per_sample = lambda field: distributed.all_sum(getattr(ro, field).sum() if ro else 0).item() / correct.numel()
+    m["eval_resp_len"] = per_sample("mask")  # tokens per sampled response (all ranks' samples)
+    m["eval_truncated"] = per_sample("truncated")  # share that hit the length cap
     return m
 
 
@@ -583,9 +666,8 @@ def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples rollouts
     at the training temperature (not N: runs with different N are measured alike): Theorem 1's Q_pos
     for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises with it (docs/paper.md §3)."""
-    ro = generate(model, tok, [e["prompt"] for e in probe], cfg.probe_samples, cfg.max_new_tokens,
-                  cfg.temperature, cfg.top_p, cfg.max_rows, gen, cfg.system_prompt)
-    q = score(ro, [e["answer"] for e in probe], probe[0]["task"], cfg.verifier, tok).mean(1)  # (P,)
+    seeds = draw_seeds(gen, len(probe))
+    q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg, seeds)[2].mean(1)  # (P,)
     m = {"mass_mean": q.mean().item()}
     if start is not None:
         delta = q - start
@@ -665,18 +747,20 @@ def plan_memory(cfg, model_config, tok, train_set, device) -> Config:
     sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
     prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
     memory = cfg.memory_gb * planner.GB or planner.default_memory_bytes(device)
-    fitted = planner.fit(model_config, cfg, prompt_tokens, memory)
+    K = distributed.world_size()  # the figures are one rank's
+    say = print if distributed.is_main() else (lambda line: None)
+    fitted = planner.fit(model_config, cfg, prompt_tokens, memory, K)
     if isinstance(fitted, str):
         fail(fitted)
     if fitted != (cfg.max_rows, cfg.micro_batch):
-        print(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
-              f"to fit {memory / planner.GB:.1f} GB")
+        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
+            f"to fit {memory / planner.GB:.1f} GB")
         cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
-    print(f"memory plan (prompts up to {prompt_tokens} tokens, {compute_dtype(cfg, device)}):")
-    print(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens), memory))
+    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, {compute_dtype(cfg, device)}):")
+    say(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens, K), memory))
     t = planner.step_seconds(model_config, cfg, prompt_tokens)
-    print(f"time per step on {planner.H100['name']} (roofline estimate, planner.step_seconds; not measured): "
-          f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
+    say(f"time per step on {planner.H100['name']} (roofline estimate, planner.step_seconds; not measured): "
+        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
     return cfg
 
 
@@ -700,7 +784,7 @@ def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
     hf_logging.disable_progress_bar()
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
     dtype = compute_dtype(cfg, device)
     amp = lambda: autocast(cfg, device)  # around forwards only (see autocast)
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
@@ -716,15 +800,18 @@ def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
 
 def eval_only(cfg: Config) -> dict:
     """--eval_only: the held-out evaluation of --model, drawn exactly as a run's step-0 evaluation
-    (same eval set, same random stream). No optimizer, no reference, nothing written but eval.json."""
+    (same eval set, same random stream). No optimizer, no reference, nothing written but eval.json.
+    With K processes each samples its share of the prompts and rank 0 writes."""
     cfg, device, dtype, amp, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
-    out = make_run_dir(cfg)
+    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if distributed.is_main() else None))
     t0 = time.perf_counter()
     with torch.no_grad(), amp():
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
     report = harness.eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set), time.perf_counter() - t0)
-    harness.write_eval(out / "eval.json", report)
-    print(harness.eval_table(report))
+    if distributed.is_main():
+        harness.write_eval(out / "eval.json", report)
+        print(harness.eval_table(report))
+    distributed.teardown()
     return report
 
 
@@ -734,21 +821,27 @@ def train(cfg: Config) -> list:
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
     cfg, device, dtype, amp, train_set, eval_set, model, tok = setup(cfg, str(ckpt or cfg.model),
                                                                      "--resume" if ckpt else "--model")
+    main = distributed.is_main()  # rank 0 alone prints and writes
+    say = tqdm.write if main else (lambda line: None)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = plan_memory(cfg, model.config, tok, train_set, device)
-    out = make_run_dir(cfg)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    print(json.dumps(dataclasses.asdict(cfg), indent=1))
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}; "
-          f"train {len(train_set)} prompts, eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
+    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if main else None))  # its name holds rank 0's time
+    if main:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    say(json.dumps(dataclasses.asdict(cfg), indent=1))
+    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}, "
+        f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
+        f"verifier {cfg.verifier}; run dir {out}")
+    # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
+    # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
+    model, replica = distributed.shard(model)
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        ref_model = copy.deepcopy(replica).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng = random.Random(cfg.seed)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
     gen_cpu = torch.Generator().manual_seed(cfg.seed)
     probe = eval_set[: cfg.probe_prompts]
 
@@ -757,29 +850,33 @@ def train(cfg: Config) -> list:
         state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)  # generator states
         # must be CPU tensors; the optimizer and the reference move their own to the device
         start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
-        opt.load_state_dict(state["opt"])
+        if state.get("world_size", 1) != distributed.world_size():  # AdamW's state is laid out per K
+            fail(f"--resume {cfg.resume}: its checkpoint was written by {state.get('world_size', 1)} process(es), "
+                 f"this run has {distributed.world_size()}: resume with the same number")
+        distributed.load_optimizer_state(model, opt, state["opt"])
         rng.setstate(state["rng"])
-        gen.set_state(state["gen"])
         gen_cpu.set_state(state["gen_cpu"])
         if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
             ref_model.load_state_dict(state["ref"])
         rows = read_metrics(out, upto=start)  # steps logged after the checkpoint are redone
-        tqdm.write(f"resumed {out} at step {start}")
-    metrics_file = open_metrics(out, rows)
+        say(f"resumed {out} at step {start}")
+    metrics_file = open_metrics(out, rows) if main else open(os.devnull, "w")
 
     def checkpoint(step):
-        state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt.state_dict(), rng=rng.getstate(),
-                     gen=gen.get_state(), gen_cpu=gen_cpu.get_state(),
+        opt_state = distributed.optimizer_state(model, opt)  # K > 1: the shards gathered onto rank 0
+        state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt_state, rng=rng.getstate(),
+                     gen_cpu=gen_cpu.get_state(), world_size=distributed.world_size(),
                      ref=ref_model.state_dict() if ref_model is not None else None)
-        save_atomic(model, tok, cfg, state, out / "ckpt")
+        if main:
+            save_atomic(replica, tok, cfg, state, out / "ckpt")
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""
-        model.eval()
+        replica.eval()
         gen_eval = eval_generator(device, cfg.seed, step)
         with amp():
-            m = evaluate(model, tok, eval_set, cfg, gen_eval)
-            q, mq = probe_mass(model, tok, probe, cfg, gen_eval, start=q_start)
+            m = evaluate(replica, tok, eval_set, cfg, gen_eval)
+            q, mq = probe_mass(replica, tok, probe, cfg, gen_eval, start=q_start)
         return {**m, **mq}, q
 
     # Training time so far, evaluations and checkpoints excluded (their cost must favour no config):
@@ -789,22 +886,24 @@ def train(cfg: Config) -> list:
         m0, q_start = log_eval(0)
         rows.append({"step": 0, **m0, **clock})
         metrics_file.write(json.dumps(rows[0]) + "\n")
-        tqdm.write("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
+        say("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
-               initial=start, total=cfg.steps)
+               initial=start, total=cfg.steps, disable=not main)
     for step in bar:
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            m = {"step": step, **rl_step(model, ref_model, opt, tok, cfg, train_set, rng, gen, gen_cpu, keep_est)}
+            m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu,
+                                         keep_est)}
         except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
             fail(f"step {step}: {e}")
         keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]
         if ref_model is not None and step % cfg.ref_reset_every == 0:
-            ref_model.load_state_dict(model.state_dict())  # ProRL: reset the reference, keep Adam state
+            ref_model.load_state_dict(replica.state_dict())  # ProRL: reset the reference, keep Adam state
         clock["time_train_wall"] += time.perf_counter() - wall
         clock["time_train_cpu"] += time.process_time() - cpu
         m.update(clock)
-        spent = 0 < cfg.time_budget <= clock[f"time_train_{cfg.budget_clock}"]  # this step is the last
+        # this step is the last when the budget is spent (rank 0 decides: every rank stops after the same step)
+        spent = distributed.broadcast(0 < cfg.time_budget <= clock[f"time_train_{cfg.budget_clock}"])
         # --- eval, log, checkpoint
         if step % cfg.eval_every == 0 or step == cfg.steps or spent:
             m.update(log_eval(step, q_start)[0])
@@ -812,19 +911,21 @@ def train(cfg: Config) -> list:
         metrics_file.write(json.dumps(m) + "\n")
         metrics_file.flush()
         if "eval_pass@1" in m:
-            plot_metrics(rows, out / "metrics.png")  # refreshed at every eval, not only at the end
+            if main:
+                plot_metrics(rows, out / "metrics.png")  # refreshed at every eval, not only at the end
             if cfg.save:
                 checkpoint(step)
-        tqdm.write(log_line(m))
+        say(log_line(m))
         if spent:
-            tqdm.write(f"time budget spent: {clock[f'time_train_{cfg.budget_clock}']:.1f} s ({cfg.budget_clock}) "
-                       f">= --time_budget {cfg.time_budget:g}; stopped after step {step}")
+            say(f"time budget spent: {clock[f'time_train_{cfg.budget_clock}']:.1f} s ({cfg.budget_clock}) "
+                f">= --time_budget {cfg.time_budget:g}; stopped after step {step}")
             break
     metrics_file.close()
     first, last = rows[0], rows[-1]
     if "eval_pass@1" in last:
-        print(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
-              f"pass@k {first['eval_pass@k']:.3f} -> {last['eval_pass@k']:.3f}; wrote {out}")
+        say(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
+            f"pass@k {first['eval_pass@k']:.3f} -> {last['eval_pass@k']:.3f}; wrote {out}")
+    distributed.teardown()
     return rows
 
 

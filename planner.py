@@ -90,12 +90,17 @@ def rollout_rows(cfg, n: int, prompts: int) -> int:
 
 
 def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
-    """Estimated peak bytes of each phase, itemised: {"rollout": [(item, bytes)], "update": [...]}."""
+    """Estimated peak bytes of each phase on one rank, itemised: {"rollout": [(item, bytes)], "update": [...]}.
+    world_size K > 1 (torchrun, distributed.py): weights, gradients and AdamW state are sharded 1/K; a full
+    fp32 replica samples the rollouts; each rank samples its share of the prompts."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
     c = 2 if _compute_bytes(cfg) == 2 else 4
     total, linear = param_counts(mc)
-    B, N, T, P = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens
-    state = [("weights (fp32)", 4 * total), ("AdamW state (fp32 m, v)", 8 * total)]
+    B, N, T, P, K = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens, world_size
+    shard = f", 1/{K} shard" if K > 1 else ""
+    state = [(f"weights (fp32{shard})", 4 * total / K), (f"AdamW state (fp32 m, v{shard})", 8 * total / K)]
+    if K > 1:
+        state.append(("full replica: rollouts, eval, checkpoints (fp32)", 4 * total))
     if cfg.kl_coef > 0:
         state.append(("reference policy (fp32)", 4 * total))
     if c == 2:
@@ -109,13 +114,14 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
         return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
                 ("chunk outputs (rows, T)", rows * T * 17)]  # int64 token, bool mask, fp32 logp, entropy
-    chunks = [chunk(rollout_rows(cfg, N, 4 * B), cfg.top_p, min(4 * B, max(cfg.max_rows // N, 1))),
-              chunk(rollout_rows(cfg, cfg.eval_samples, cfg.eval_prompts), 0.95,
-                    min(cfg.eval_prompts, max(cfg.max_rows // cfg.eval_samples, 1)))]
+    train_prompts, eval_prompts = math.ceil(4 * B / K), math.ceil(cfg.eval_prompts / K)  # this rank's share
+    chunks = [chunk(rollout_rows(cfg, N, train_prompts), cfg.top_p, min(train_prompts, max(cfg.max_rows // N, 1))),
+              chunk(rollout_rows(cfg, cfg.eval_samples, eval_prompts), 0.95,
+                    min(eval_prompts, max(cfg.max_rows // cfg.eval_samples, 1)))]
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    R = B * N  # rows trained per step
+    R = B * N  # rows trained per step (K > 1: a rank holds the kept groups it sampled, at most all of them)
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
@@ -123,7 +129,9 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
         acts = L * tokens * 4 * H + tokens * per_layer  # each layer's fp32 input + one layer replayed
     else:
         acts = L * tokens * per_layer
-    update = [*state[:2], ("gradients (fp32)", 4 * total), *state[2:],
+    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H  # embeddings, LM head, final norm
+    fsdp = [("FSDP: gathered root and 2 layers, a layer's full gradient", 4 * (root + 3 * (total - root) / L))] * (K > 1)
+    update = [*state[:2], (f"gradients (fp32{shard})", 4 * total / K), *fsdp, *state[2:],
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
               (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
               ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
@@ -155,11 +163,12 @@ def peaks(table: dict) -> dict:
     return {phase: sum(b for _, b in items) for phase, items in table.items()}
 
 
-def fit(mc, cfg, prompt_tokens: int, memory_bytes: float):
-    """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes in both phases; or
-    a string, one line naming what to lower, when even one row does not fit."""
+def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
+    """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes (one rank's) in both
+    phases; or a string, one line naming what to lower, when even one row does not fit."""
     import dataclasses
-    over = lambda c, phase: peaks(plan(mc, c, prompt_tokens))[phase] > memory_bytes
+    plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
+    over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
     gib = lambda x: f"{x / GB:.1f} GB"
     # rows: whole groups (multiples of N) down to one group, then powers of two below N
     N = cfg.n_rollouts
@@ -168,14 +177,14 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float):
     options = [x for x in options if x <= cfg.max_rows]
     rows = next((x for x in options if not over(dataclasses.replace(cfg, max_rows=x), "rollout")), None)
     if rows is None:
-        one = peaks(plan(mc, dataclasses.replace(cfg, max_rows=1), prompt_tokens))["rollout"]
+        one = peaks(plan_k(dataclasses.replace(cfg, max_rows=1)))["rollout"]
         return (f"--memory_gb {memory_bytes / GB:.1f}: even one rollout row needs {gib(one)} "
                 f"(lower --max_new_tokens or --eval_samples, or use a smaller --model)")
     mb = cfg.micro_batch
     while mb > 1 and over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
         mb = mb // 2 if mb & (mb - 1) == 0 else 2 ** int(math.log2(mb))
     if over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
-        need = peaks(plan(mc, dataclasses.replace(cfg, micro_batch=1), prompt_tokens))["update"]
+        need = peaks(plan_k(dataclasses.replace(cfg, micro_batch=1)))["update"]
         hint = "--grad_ckpt 1, " if not cfg.grad_ckpt else ""
         return (f"--memory_gb {memory_bytes / GB:.1f}: the update of one row needs {gib(need)} "
                 f"(try {hint}a lower --max_new_tokens, --kl_coef 0, or a smaller --model)")

@@ -18,7 +18,12 @@ Any Hugging Face decoder with full attention works: importing this module regist
 attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
 AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
-    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen, system_prompt='') -> Rollouts
+    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds, system_prompt='') -> Rollouts
+
+Each prompt's rollouts are drawn from its own seed: every decode step, the prompt's generator
+draws one uniform for each of its n rollouts, finished or not, so a rollout is a function of its
+prompt's seed and its place in the group alone, not of how prompts were chunked (max_rows), which
+rows were dropped, or which process drew them.
 """
 
 import functools
@@ -190,10 +195,18 @@ def pick_tokens(logits, temperature: float, top_p: float, u):
 
 
 @torch.no_grad()
-def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_id, pad_id, gen):
-    """Rollouts for a chunk of prompts: (tokens, mask, logp, entropy, truncated), the first four
-    (len(prompt_ids)*n, T), the last (len(prompt_ids)*n,)."""
+def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, temperature, top_p, eos_id, pad_id):
+    """Rollouts lo..hi-1 (part) of the n_group of each prompt of a chunk, each prompt's drawn from its
+    own seed: (tokens, mask, logp, entropy, truncated), the first four (len(prompt_ids)*n, T), the
+    last (len(prompt_ids)*n,), n = hi - lo."""
     dev, cache_kw = model.device, cache_kwarg(model)
+    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    lo, hi = part
+    n = hi - lo  # rows per prompt in this chunk
+
+    def uniforms():  # (len(prompt_ids) * n,): each prompt draws the uniforms of all n_group of its rollouts
+        return torch.cat([torch.rand(n_group, generator=g, device=dev, dtype=torch.float64)[lo:hi] for g in gens])
+
     # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
     per_layer, first_logits = None, []
     for ids in prompt_ids:
@@ -220,7 +233,7 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
     logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row i is prompt i // n
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
-        u = torch.rand(len(logits), generator=gen, device=dev, dtype=torch.float64) if temperature else None  # (r,)
+        u = uniforms()[rows] if temperature else None  # (r,) the rows still decoding take theirs
         tok = pick_tokens(logits, temperature, top_p, u)  # (r,)
         tok = torch.where(done, pad_id, tok)
         tokens[rows, t], mask[rows, t] = tok, ~done
@@ -245,22 +258,30 @@ def generate_group_chunk(model, prompt_ids, n, max_new, temperature, top_p, eos_
     return tokens, mask, logp, entropy, truncated
 
 
-def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, gen, system_prompt="") -> Rollouts:
-    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows."""
+def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds, system_prompt="") -> Rollouts:
+    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows. seeds: one int per
+    prompt (its rollouts' random stream), or a torch.Generator to draw them from."""
     prompt_ids = [encode_prompt(tok, p, system_prompt) for p in prompts]
+    if isinstance(seeds, torch.Generator):
+        seeds = draw_seeds(seeds, len(prompts))
     if n <= max_rows:  # whole groups per chunk
         per = max_rows // n
-        jobs = [(prompt_ids[i: i + per], n) for i in range(0, len(prompt_ids), per)]
+        jobs = [(slice(i, i + per), (0, n)) for i in range(0, len(prompt_ids), per)]
     else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
-        jobs = [([ids], min(max_rows, n - j)) for ids in prompt_ids for j in range(0, n, max_rows)]
+        jobs = [(slice(b, b + 1), (j, min(j + max_rows, n))) for b in range(len(prompt_ids)) for j in range(0, n, max_rows)]
     eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}  # chat models have several
     # each chunk's outputs leave the accelerator as soon as it is done: the device holds one chunk
-    parts = [tuple(x.cpu() for x in generate_group_chunk(model, ids, rows, max_new, temperature, top_p,
-                                                          sorted(eos), tok.pad_token_id, gen)) for ids, rows in jobs]
+    parts = [tuple(x.cpu() for x in generate_group_chunk(model, prompt_ids[b], seeds[b], n, part, max_new, temperature,
+                                                          top_p, sorted(eos), tok.pad_token_id)) for b, part in jobs]
     tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))  # on the CPU
     lengths = mask.sum(1).tolist()  # (B*N,) each row's real tokens: decode those, not T columns of padding
     texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)], skip_special_tokens=True)
     return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
+
+
+def draw_seeds(gen: torch.Generator, n: int) -> list:
+    """n seeds for n prompts' rollouts, drawn from a generator."""
+    return torch.randint(2 ** 62, (n,), generator=gen, device=gen.device).tolist()
 
 
 def listify(x) -> list:

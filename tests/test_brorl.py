@@ -275,7 +275,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
         assert len(prompts) == next(want)
         return orig(model, tok, prompts, *a, **k)
     monkeypatch.setattr(brorl, "generate", spy)
-    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, rng, torch.Generator(), keep_est=1.0)
+    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, rng, 1, keep_est=1.0)
     assert stats["groups_generated"] == 9 and stats["rounds"] == 2
     assert stats["groups_survived"] == 4  # keep_rate counts survivors before truncation: 4 / 9
     assert stats["groups_kept"] == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
@@ -287,8 +287,7 @@ def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
     monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=2, max_new_tokens=2, max_rounds=3)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
-    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0),
-                                           torch.Generator(), keep_est=0.5)
+    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0), 1, keep_est=0.5)
     assert kept == [] and stats["rounds"] == 3 and stats["groups_kept"] == 0
 
 
@@ -317,7 +316,8 @@ def test_two_step_run_writes_metrics_plot_and_checkpoint(tmp_path):
             "entropy", "resp_len", "tokens_per_s", "time_rollout", "time_update", "eval_pass@1", "eval_pass@k",
             "mass_mean", "mass_rose", "mass_fell", "mass_worst_drop", "max_ratio_dev"}
     assert need <= set(rows[2]), need - set(rows[2])
-    assert all(r["max_ratio_dev"] < 1e-5 for r in rows[1:] if r["groups_kept"])
+    # float32 rounding between the decode and the training forward: ~1e-6, the largest seen 1.3e-5 (logp -2.9)
+    assert all(r["max_ratio_dev"] < 3e-5 for r in rows[1:] if r["groups_kept"])
     saved = json.loads((out / "config.json").read_text())
     assert saved["n_rollouts"] == 32 and saved["steps"] == 2
     assert (out / "metrics.png").stat().st_size > 10_000

@@ -295,7 +295,7 @@ def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
     ro = brorl.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
     batch = brorl.pack_groups([(ro, g, None) for g in range(2)])  # R = 10 rows
     seen, weights = [], brorl.loss_weights
-    monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg: (seen.append(len(mask)), weights(mask, agg))[1])
+    monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg, *a: (seen.append(len(mask)), weights(mask, agg, *a))[1])
     _update(model, batch, n_minibatches=n_minibatches)
     assert seen == sizes  # fewer rows than mini-batches: one row each
 

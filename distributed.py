@@ -1,0 +1,162 @@
+"""
+distributed.py: brorl on K processes, launched by torchrun. One process (`python brorl.py`) is the
+K = 1 case of the same code: every function here is then trivial (a sum of one term, a gather of
+one part, no sharding).
+
+    torchrun --standalone --nproc_per_node=K brorl.py [flags]
+
+What is split and what is gathered (brorl.py calls these at each point):
+  - rollouts: each round's prompts are chosen identically on every rank, and each rank samples and
+    scores its share() of them; the rewards of all prompts are gather()ed, so that every rank takes
+    the same dynamic-sampling decisions and computes the same advantages. Each prompt's rollouts
+    come from its own seed, so they do not depend on which rank drew them.
+  - the update: FSDP2 shards the parameters, gradients and AdamW state across ranks (shard()). Each
+    rank computes the loss of the kept rows it sampled, weighted by the mini-batch's normaliser
+    summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
+    default), so that the gradient is one process's up to float rounding.
+  - full weights: rollouts, evaluation and checkpoints use a full replica of the policy, refreshed
+    from the shards once per step (refresh()); the reference policy (--kl_coef) is a full frozen copy.
+  - output: rank 0 alone prints and writes (is_main()); the checkpoint's AdamW state is gathered
+    from the shards onto rank 0 (optimizer_state()).
+
+Backend: nccl for CUDA tensors (gloo for the few small CPU reductions), gloo on a CPU. A rank that
+raises exits non-zero, and torchrun then stops the others.
+"""
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def world_size() -> int:
+    """K, the number of processes (torchrun sets WORLD_SIZE; 1 under plain python)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0 alone prints, writes metrics and plots, and checkpoints."""
+    return rank() == 0
+
+
+def setup(device: str) -> torch.device:
+    """Join the process group when launched by torchrun; return this rank's device. `device` is
+    the --device flag: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU."""
+    if device == "auto":
+        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():  # torchrun's environment, even for K = 1
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def teardown():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------
+# The reductions the algorithm needs. Tensors are moved to the CPU: they are a few numbers.
+
+
+def share(n: int) -> range:
+    """This rank's contiguous share of n items (sizes differ by at most one; empty if n < K)."""
+    K, r = world_size(), rank()
+    return range(r * n // K, (r + 1) * n // K)
+
+
+def gather(x: torch.Tensor) -> torch.Tensor:
+    """Each rank's x (its share's rows) concatenated in rank order: the rows of all n items."""
+    if not dist.is_initialized():
+        return x
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, x.cpu())  # shares differ in size: objects, not a tensor collective
+    return torch.cat(parts).to(x.device)
+
+
+def all_sum(x) -> torch.Tensor:
+    """Sum over ranks of a number or a tensor of numbers (float64: counts and sums of losses)."""
+    t = torch.as_tensor(x, dtype=torch.float64).cpu().clone()
+    if dist.is_initialized():
+        dist.all_reduce(t, dist.ReduceOp.SUM)
+    return t
+
+
+def all_max(x) -> torch.Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64).cpu().clone()
+    if dist.is_initialized():
+        dist.all_reduce(t, dist.ReduceOp.MAX)
+    return t
+
+
+def broadcast(obj):
+    """Rank 0's obj on every rank (e.g. the run directory, whose default name holds the time)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor (e.g. clip_grad_norm_'s norm of sharded gradients) as the whole tensor."""
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+# ----------------------------------------------------------------------------
+# FSDP2: sharded parameters, gradients and AdamW state; a full replica for everything but the update
+
+
+def shard(model):
+    """(model, replica). K = 1: the model itself twice. K > 1: a full replica of the model is kept
+    (rollouts, evaluation, checkpoints), then the model is sharded with FSDP2, each decoder layer a
+    unit (Hugging Face names its classes in _no_split_modules) and the root holding the rest."""
+    if world_size() == 1:
+        return model, model
+    replica = copy.deepcopy(model)
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    for m in model.modules():
+        if type(m).__name__ in layers:
+            fully_shard(m)
+    fully_shard(model)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # SUM the gradients over ranks: each rank's loss is already
+            m.set_gradient_divide_factor(1.0)  # weighted by the global normaliser (the default averages)
+            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    return model, replica
+
+
+@torch.no_grad()
+def refresh(model, replica):
+    """Copy the sharded model's weights into the replica: one all-gather per parameter."""
+    if model is replica:
+        return
+    for p_full, p in zip(replica.parameters(), model.parameters(), strict=True):
+        p_full.copy_(full(p))
+
+
+def optimizer_state(model, opt) -> dict:
+    """AdamW's state for a checkpoint. K > 1: gathered from the shards onto rank 0's CPU (the other
+    ranks get {}), keyed by parameter name; --resume must use the same K."""
+    if world_size() == 1:
+        return opt.state_dict()
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, opt, state: dict):
+    """The inverse of optimizer_state: every rank reads the full state and keeps its shard."""
+    if world_size() == 1:
+        opt.load_state_dict(state)
+    else:
+        set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

@@ -26,7 +26,7 @@ def _cfg(path, out, **kw):
     return brorl.Config(**{**dict(
         model=str(path), task=f"math:{data.MATH_SAMPLE}", dtype="bfloat16", grad_ckpt=True, n_rollouts=2,
         prompts_per_step=1, max_new_tokens=64, dynamic_sampling=False, steps=2, eval_every=2, eval_prompts=1,
-        eval_samples=2, probe_prompts=1, out=str(out)), **kw})
+        eval_samples=2, probe_prompts=1, probe_samples=2, out=str(out)), **kw})
 
 
 def test_rehearsal_tokenizer_is_qwen2s(rehearsal):

@@ -52,8 +52,9 @@ Run:
 
 The rest of the house: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py
 (tasks and the embedded model; tasks.py reads real datasets by schema), harness.py (command line,
-run directory, checkpoints, plots, the --eval_only report), distributed.py (K processes: who samples
-what, the reductions, FSDP2); on top of this file, ablate.py (sweeps of runs over flags and seeds)
+run directory, checkpoints, plots, the --eval_only report), policy.py (the model: loading, dtype and
+autocast, the update's forward plumbing), planner.py (memory: --plan, the fitted max_rows and
+micro_batch), distributed.py (K processes: who samples what, the reductions, FSDP2); on top of this file, ablate.py (sweeps of runs over flags and seeds)
 and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
@@ -71,9 +72,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import data
@@ -81,9 +81,10 @@ import distributed
 import harness
 import planner
 import verify
+from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
-from sampler import Rollouts, cache_kwarg, draw_seeds, encode_prompt, generate  # importing it registers attn_implementation="brorl"
+from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
 
 # ----------------------------------------------------------------------------
 # Config: one typed source of truth; every field is a --flag, its comment is the --help
@@ -363,53 +364,6 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
 # Policy update
 
 
-# Config fields with which a transformers model changes its logits after the output layer
-# (logits = f(hidden @ W.T)): soft-capping (Gemma 2/3), a scale (Cohere), a divisor (Granite), a
-# multiplier (Falcon-H1). Such a model's log-probs are taken from its full logits instead.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
-
-
-def plain_head(model):
-    """The output embedding's weight (V, H) when logits = hidden @ weight.T exactly (a bias-free
-    linear head, no transform in the config), so log-probs can skip the logits; else None."""
-    if isinstance(model, FSDPModule):  # sharded (K > 1): the decoder alone would skip the root's all-gather
-        return None
-    head, cfg = model.get_output_embeddings(), model.config
-    transforms = [k for k in LOGIT_TRANSFORMS if getattr(cfg, k, None) not in (None, 1, 1.0)]
-    if type(head) is not torch.nn.Linear or head.bias is not None or transforms:
-        return None
-    return head.weight
-
-
-class ReplayCache(DynamicCache):
-    """The update's KV cache, safe under --grad_ckpt: activation checkpointing replays each decoder
-    layer's forward in the backward, and a DynamicCache would append that layer's keys a second
-    time (a (.., P+2T, D) cache: wrong shapes). Here update() appends to what the layer held when
-    the cache was made (`prefix`: per layer (k, v), or nothing), however often a layer runs."""
-
-    def __init__(self, config, prefix=()):
-        super().__init__(config=config)
-        for i, (k, v) in enumerate(prefix):
-            super().update(k, v, i)
-        self.base = [k.shape[-2] for k, _ in prefix]  # per layer: the prefix's length
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:  # a replay, or the prefix
-            n, layer = self.base[layer_idx] if layer_idx < len(self.base) else 0, self.layers[layer_idx]
-            layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-def enable_grad_ckpt(model):
-    """--grad_ckpt: keep only each decoder layer's input in the update and recompute the layer in the
-    backward (transformers' per-layer checkpointing, non-reentrant). Its layers drop the KV cache
-    under checkpointing unless told the cache is replay-safe: ReplayCache is."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    for layer in model.modules():
-        if hasattr(layer, "_can_checkpoint_with_cache"):
-            layer._can_checkpoint_with_cache = True
-
-
 def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     """Log-probs (r, T) of the response tokens of batch rows `rows`, through the one log-prob
     kernel. Like the sampler, each prompt is run once (not once per row) and no logits are made
@@ -494,22 +448,6 @@ def tis_weight(old_logp, sampler_logp, cap):
 def kl_k2(logp, ref_logp):
     """k2 estimator of KL(policy || ref) per token: 0.5 * log-ratio^2, log-ratio clamped to +-10."""
     return 0.5 * (logp - ref_logp).clamp(-10, 10) ** 2
-
-
-def compute_dtype(cfg, device) -> torch.dtype:
-    """--dtype as a torch dtype: auto is bf16 on CUDA, fp32 elsewhere."""
-    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-            "bfloat16": torch.bfloat16}[cfg.dtype]
-
-
-def autocast(cfg, device):
-    """Matmuls in the compute dtype, weights and AdamW state fp32 (a bf16 weight would round away
-    lr ~1e-6 updates). Wrap FORWARDS only: an autocast region caches the bf16 copy of each weight
-    for its whole life and does not see in-place optimizer updates, so a region spanning
-    opt.step() runs every later forward with the weights from before the step (PyTorch's AMP
-    recipe: autocast the forward and the loss, never the backward or the step)."""
-    dtype = compute_dtype(cfg, device)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def uses_sampler_logp(cfg, model) -> bool:
@@ -695,39 +633,12 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
 # Setup and the loop
 
 
-def load_policy(name: str, device, flag="--model"):
-    """Model and tokenizer from a hub id or a local dir (a run's dir: its checkpoint); one clear
-    line if that is impossible."""
-    if (Path(name) / "ckpt" / "config.json").is_file():
-        name = str(Path(name) / "ckpt")
-    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
-    if looks_local and not Path(name).expanduser().is_dir():
-        fail(f"{flag} {name}: no such directory")
-    try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="brorl")
-    except (OSError, ValueError) as e:
-        fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model.to(device), tok
-
-
 def pick_verifier(cfg) -> str:
-    """--verifier auto: the paper's (rules or Math-Verify) when math-verify is installed, else rules.
-    The arith task has a rule of its own: rules, whatever was asked."""
-    if cfg.task == "arith":
-        return "rules"
+    """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is installed."""
     try:
-        verify._load_math_verify()
-        installed = True
-    except ImportError:
-        installed = False
-    if cfg.verifier == "auto":
-        return "both" if installed else "rules"
-    if cfg.verifier != "rules" and not installed:
-        fail(f"--verifier {cfg.verifier}: needs the math-verify package (pip install math-verify)")
-    return cfg.verifier
+        return verify.choose_verifier(cfg.task, cfg.verifier)
+    except ImportError as e:
+        fail(f"--verifier {cfg.verifier}: {e}")
 
 
 def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
@@ -741,29 +652,6 @@ def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
     return rows
 
 
-def plan_memory(cfg, model_config, tok, train_set, device) -> Config:
-    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
-    --memory_gb; stop with one line naming what to lower when even one row does not fit."""
-    sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
-    prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
-    memory = cfg.memory_gb * planner.GB or planner.default_memory_bytes(device)
-    K = distributed.world_size()  # the figures are one rank's
-    say = print if distributed.is_main() else (lambda line: None)
-    fitted = planner.fit(model_config, cfg, prompt_tokens, memory, K)
-    if isinstance(fitted, str):
-        fail(fitted)
-    if fitted != (cfg.max_rows, cfg.micro_batch):
-        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
-            f"to fit {memory / planner.GB:.1f} GB")
-        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
-    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, {compute_dtype(cfg, device)}):")
-    say(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens, K), memory))
-    t = planner.step_seconds(model_config, cfg, prompt_tokens)
-    say(f"time per step on {planner.H100['name']} (roofline estimate, planner.step_seconds; not measured): "
-        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
-    return cfg
-
-
 def plan_only(cfg: Config) -> list:
     """--plan: the memory plan from the model's config and tokenizer, loading no weights."""
     from transformers import AutoConfig
@@ -774,7 +662,7 @@ def plan_only(cfg: Config) -> list:
         model_config, tok = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    plan_memory(cfg, model_config, tok, train_set, device)
+    planner.plan_memory(cfg, model_config, tok, train_set, device)
     return []
 
 
@@ -825,7 +713,7 @@ def train(cfg: Config) -> list:
     say = tqdm.write if main else (lambda line: None)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
-    cfg = plan_memory(cfg, model.config, tok, train_set, device)
+    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
     out = Path(distributed.broadcast(str(make_run_dir(cfg)) if main else None))  # its name holds rank 0's time
     if main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

@@ -22,6 +22,7 @@ import torch
 import brorl
 import data
 import planner
+import sampler
 
 
 def existing_bytes(model, ref_model, opt) -> int:
@@ -55,9 +56,9 @@ def check(cfg) -> dict:
     model, tok = brorl.load_policy(cfg.model, device)
     if cfg.grad_ckpt:
         brorl.enable_grad_ckpt(model)
-    cfg = brorl.plan_memory(cfg, model.config, tok, train_set, device)
+    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
     cfg = dataclasses_replace(cfg, verifier=brorl.pick_verifier(cfg))
-    prompt_tokens = max(len(brorl.encode_prompt(tok, e["prompt"]))
+    prompt_tokens = max(len(sampler.encode_prompt(tok, e["prompt"]))
                         for e in random.Random(cfg.seed).sample(train_set, min(256, len(train_set))))
     est = planner.peaks(planner.plan(model.config, cfg, prompt_tokens))
     ref = brorl.copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None

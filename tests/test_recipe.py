@@ -55,15 +55,6 @@ def test_batch_norm_whitens_over_tokens_when_lengths_differ():
     assert (adv - per_response).abs().max() > 0.1  # the two forms differ by more than rounding
 
 
-def test_whitening_sums_add_over_parts():
-    """The batch statistics are sums: adding two halves' gives the whole's (what an all-reduce does)."""
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(8, 4, generator=g), torch.randint(1, 9, (8, 4), generator=g)
-    torch.testing.assert_close(brorl.whiten_sums(x[:3], w[:3]) + brorl.whiten_sums(x[3:], w[3:]), brorl.whiten_sums(x, w))
-    xd, wd = x.double(), w.double()
-    torch.testing.assert_close(brorl.whiten_sums(x, w), torch.stack([(wd * xd).sum(), (wd * xd ** 2).sum(), wd.sum()]))
-
-
 def test_batch_norm_needs_lengths():
     with pytest.raises(ValueError, match="lengths"):
         brorl.compute_advantages(torch.tensor([[1.0, 0.0]]), "batch")

@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench_kernels
 import brorl
 import kernels
 from kernels import linear_logprobs
 
 FP32_TOL = 1e-5  # fp32 matmul over D <= 64 and accumulation over V <= 3000: observed ~2e-6
 BACKENDS = ["torch", "triton"]  # triton: the interpreter on a CPU (small shapes: it is slow)
+
+
+def _device(backend):
+    """Where a backend's test runs: the triton backend on CUDA tensors when there is a GPU (the
+    compiled kernel takes nothing else), else on the CPU (the interpreter); torch on the CPU."""
+    return "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
 
 
 def _inputs(lead, D, V, seed, n_ignored=2, tied_scale=1.0):
@@ -43,10 +50,12 @@ def _oracle(h, w, t, g, temperature):
 
 
 def _run(h, w, t, g, temperature, **kw):
-    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    logp, entropy = linear_logprobs(h, w, t, temperature, with_entropy=True, **kw)
-    (logp * g.to(logp.dtype)).sum().backward()
-    return logp.detach(), entropy, h.grad, w.grad
+    """logp, entropy and both gradients, on the CPU; computed where the backend runs (_device)."""
+    dev = _device(kw.get("backend", "torch"))
+    h, w = h.detach().to(dev).clone().requires_grad_(), w.detach().to(dev).clone().requires_grad_()
+    logp, entropy = linear_logprobs(h, w, t.to(dev), temperature, with_entropy=True, **kw)
+    (logp * g.to(dev, logp.dtype)).sum().backward()
+    return tuple(x.cpu() for x in (logp.detach(), entropy, h.grad, w.grad))
 
 
 def _err(a, b):
@@ -85,6 +94,7 @@ def test_non_contiguous_hidden_states(backend):
     # every other position of a (2, 12, D) tensor, and a transposed (T, B) layout: the same numbers
     # as the contiguous copy, and gradients land in the right places of the original
     h, w, t, g = (x.float() if x.is_floating_point() else x for x in _inputs((2, 6), 32, 700, seed=4))
+    h = h.to(_device(backend))  # the views are made where the kernel reads them: a move would copy
     strided = torch.cat([h, h], -1).view(2, 6, 2, 32)[:, :, 0]  # (2, 6, 32), stride 64
     transposed = h.transpose(0, 1).contiguous().transpose(0, 1)  # (2, 6, 32), strides (32, 64, 1)
     expected = _run(h, w, t, g, 1.0, backend=backend, chunk_bytes=4 * 700 * 5)
@@ -162,7 +172,7 @@ def test_the_chunk_size_follows_the_memory_budget():
         def step():
             h.grad = w.grad = None
             (fn() * g).sum().backward()
-        return kernels._cpu_peak_bytes(step)
+        return bench_kernels._cpu_peak_bytes(step)
     grads = (N + V) * D * 4
     plain = peak(lambda: kernels.token_logprobs(h @ w.T, t))
     linear = peak(lambda: linear_logprobs(h, w, t, chunk_bytes=budget))
@@ -284,7 +294,7 @@ def test_training_with_it_equals_training_on_logits(tied, monkeypatch):
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
-    rows = kernels.compile_kernels()
+    rows = bench_kernels.compile_kernels()
     jitted = set(re.findall(r"@triton\.jit\s+def (\w+)", Path(kernels.__file__).read_text()))
     assert {r["kernel"] for r in rows} == jitted
     assert len(rows) == len(jitted) * 2 * 3  # x sm_80, sm_90 x fp32, bf16, fp16 logits

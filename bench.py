@@ -17,20 +17,25 @@ Parts:
            generation_config; every response is then "truncated" and scores 0, which changes
            the advantages' values (all 0), not the work: the update still runs its forward and
            backward over every token.
-  gpu      (CUDA only) the same three parts in bf16 on a randomly initialised model with
+  gpu      (CUDA) the same three parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
+
+--tiny runs any part (gpu included, on a CPU when there is no GPU) at toy sizes: a check that
+every part still runs (tests/test_bench.py), not a measurement.
 
 Commands:
   python bench.py                          # sampler + step on this CPU (fp32, ~2.4M params)
   python bench.py --part sampler --repeats 5
   python bench.py --part gpu               # on a CUDA machine
+  python bench.py --part all --tiny        # every CPU part at toy sizes (seconds)
   python bench.py --save DIR               # write the bench model, tokenizer, prompts.json
   bash bench_trl.sh                        # TRL GRPOTrainer on the same model, in its own venv
   python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with ours
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -59,6 +64,12 @@ ARCHS = {
                  rope_theta=1e6, rms_norm_eps=1e-6, vocab_size=151936),
 }
 SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens): short and long prompts
+# Every part's sizes, full and --tiny: sampler cases; varlen (N, prompt, new); step N values and new
+# tokens; breadth N values, samples per step, prompt, new
+SIZES = {"full": dict(sampler=SAMPLER_CASES, varlen=(512, 64, 128), step_ns=[64, 512], step_new=32,
+                      breadth_ns=[16, 64, 256, 512], breadth=(2048, 256, 128)),
+         "tiny": dict(sampler=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
+                      breadth_ns=[2, 4], breadth=(8, 8, 4))}
 
 
 class NeverEos:
@@ -198,6 +209,7 @@ def step_child(args):
     B = len(examples)
     cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
                        dynamic_sampling=False, micro_batch=args.micro_batch, max_rows=max(4096, B * args.n))
+    cfg = dataclasses.replace(cfg, verifier=brorl.pick_verifier(cfg))  # as brorl.main resolves --verifier auto
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
     rows = []
@@ -246,7 +258,7 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
     return med
 
 
-def bench_varlen(path, device, dtype, repeats, tok, n=512, prompt=64, new=128, eos_push=3.0):
+def bench_varlen(path, device, dtype, repeats, tok, n, prompt, new, eos_push=3.0):
     """Rollouts of varied length (EOS made likelier: lengths ~geometric, capped at `new`): our
     sampler drops finished rows (SharedPrefixCache.keep); generate keeps decoding them as padding.
     Real tokens per second, each path's own EOS draws."""
@@ -286,7 +298,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
         print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description="brorl speed benchmark")
     ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
@@ -295,11 +307,12 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see bench_trl.sh)")
     ap.add_argument("--save", default="", help="only write the bench model to this dir")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes and model: checks that a part runs (any device)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one step-part process
     ap.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=32, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     brorl.hf_logging.set_verbosity_error()
     brorl.hf_logging.disable_progress_bar()
@@ -307,26 +320,28 @@ def main():
         return step_child(args)
     if args.save:
         return save_bench_model(Path(args.save), "tiny", torch.float32)
-    gpu = args.part == "gpu"
-    if gpu and not torch.cuda.is_available():
-        sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False)")
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
+    gpu, size = args.part == "gpu", SIZES["tiny" if args.tiny else "full"]
+    if gpu and not torch.cuda.is_available() and not args.tiny:
+        sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False); --tiny runs its driver on a CPU")
+    device = torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if gpu else torch.float32
     # OpenMP's wait policy moves every CPU figure (NOTES.md#openmps-wait-policy): say which one this run had
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        save_bench_model(path, "0.5b" if gpu else "tiny", dtype)
+        save_bench_model(path, "0.5b" if gpu and not args.tiny else "tiny", dtype)
         tok = AutoTokenizer.from_pretrained(path)
         if args.part in ("sampler", "all", "gpu"):
-            bench_sampler(path, device, dtype, SAMPLER_CASES, args.repeats, tok)
+            bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok)
         if args.part in ("varlen", "all", "gpu"):
-            bench_varlen(path, device, dtype, args.repeats, tok)
+            bench_varlen(path, device, dtype, args.repeats, tok, *size["varlen"])
         if args.part in ("step", "all", "gpu"):
             trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
-            bench_step(path, [64, 512], 32, args.micro_batch, args.steps, args.repeats, args.threads, trl)
+            bench_step(path, size["step_ns"], size["step_new"], args.micro_batch, args.steps, args.repeats,
+                       args.threads, trl)
         if gpu:
-            bench_breadth(path, device, dtype, [16, 64, 256, 512], 2048, 256, 128, args.repeats, tok)
+            bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats, tok)
 
 
 if __name__ == "__main__":

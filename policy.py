@@ -90,7 +90,11 @@ def enable_grad_ckpt(model):
     """--grad_ckpt: keep only each decoder layer's input in the update and recompute the layer in the
     backward (transformers' per-layer checkpointing, non-reentrant). Its layers drop the KV cache
     under checkpointing unless told the cache is replay-safe: ReplayCache is."""
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name in transformers 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 5.17-5.23: the same call under its older name (a deprecated alias in 5.24)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     for layer in model.modules():
         if hasattr(layer, "_can_checkpoint_with_cache"):
             layer._can_checkpoint_with_cache = True

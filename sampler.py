@@ -50,11 +50,13 @@ class SharedPrefixCache:
     each prompt's keys for exactly its own rows. slot[i] is row i's place on the grid (None while
     the grid is full and in order, as before any drop)."""
 
-    def __init__(self, prefix_kv, prefix_len, n: int):
+    def __init__(self, prefix_kv, prefix_len, n: int, dtype=None):
         B, Hkv, P, D = prefix_kv[0][0].shape
-        # Keys in the values' dtype, the compute dtype: under autocast, rotary's fp32 cos/sin promote the
-        # keys to fp32 (bf16 values), which would cost 1.5x the cache of bf16 keys and values
-        self.prefix_kv = [(k.to(v.dtype).transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+        # Keys and values in the compute dtype (dtype; default the values'): under autocast, rotary's fp32
+        # cos/sin promote the keys to fp32, and some transformers versions (5.17) then store the prefill's
+        # values in the keys' dtype too: twice the cache of bf16 keys and values
+        dtype = dtype or prefix_kv[0][1].dtype
+        self.prefix_kv = [(k.to(dtype).transpose(0, 1).contiguous(), v.to(dtype).transpose(0, 1).contiguous())
                           for k, v in prefix_kv]  # per layer (Hkv, B, P, D): each prompt once
         self.B, self.P, self.n_max, self.slot = B, P, n, None
         # (B, P): -inf on each prompt's padding (prompts are right-padded to P); None if none
@@ -63,8 +65,8 @@ class SharedPrefixCache:
             col >= prefix_len[:, None], -math.inf)
         self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)  # (R,) prompt of each row
         self.t = 0  # generated tokens stored so far
-        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]  # (R, Hkv, capacity, D), compute dtype
-        self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in prefix_kv]
+        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]  # (R, Hkv, capacity, D), compute dtype
+        self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]
         self._set_bias()
 
     def _set_bias(self):
@@ -220,7 +222,9 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
     prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]), torch.cat([pad_to(v) for _, v in layer]))
                  for layer in per_layer]  # per layer (B, Hkv, P, D)
     prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
-    cache = SharedPrefixCache(prefix_kv, prompt_len, n)
+    # the compute dtype: autocast's when it is on (what the layers' values come out in), else the weights'
+    dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
+    cache = SharedPrefixCache(prefix_kv, prompt_len, n, dtype)
     masks = {t: cache for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
     R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)  # one id or several

@@ -1,0 +1,17 @@
+"""bench.py runs: every part (the sampler against generate, varied lengths, a full rl_step in its own
+process, and the GPU part's driver with its breadth sweep) at toy sizes, on whatever device is here."""
+
+import torch
+
+import bench
+
+
+def test_every_bench_part_runs_at_a_tiny_size(capsys):
+    # --part gpu drives all four parts (on a CPU without CUDA); --threads keeps this process's setting
+    bench.main(["--part", "gpu", "--tiny", "--repeats", "1", "--steps", "1",
+                "--threads", str(torch.get_num_threads())])
+    out = capsys.readouterr().out
+    for header in ("== sampler:", "== varied lengths:", "== step:", "== breadth:"):
+        assert header in out, out[-2000:]
+    step_row = next(ln for ln in out.splitlines() if ln.startswith("brorl     4 |"))
+    assert float(step_row.split("|")[1].split()[0]) > 0  # completions/s of a step that ran

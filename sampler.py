@@ -20,10 +20,10 @@ AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
     generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds, system_prompt='') -> Rollouts
 
-Each prompt's rollouts are drawn from its own seed: every decode step, the prompt's generator
-draws one uniform for each of its n rollouts, finished or not, so a rollout is a function of its
-prompt's seed and its place in the group alone, not of how prompts were chunked (max_rows), which
-rows were dropped, or which process drew them.
+Each prompt's rollouts are drawn from its own seed: for every decode step, the prompt's generator
+draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a time, whatever
+max_new is), so a rollout is a function of its prompt's seed and its place in the group alone, not of
+how prompts were chunked (max_rows), which rows were dropped, or which process drew them.
 """
 
 import functools
@@ -169,31 +169,75 @@ class Rollouts:
     n: int  # rollouts per prompt
 
 
-def sampling_cdf(logits, temperature: float, top_p: float):
-    """The cumulative distribution (R, V) float64 that pick_tokens draws from: token v's interval is
-    [cdf[v-1], cdf[v]), of width its probability (unnormalised after a nucleus cut). float64, because a
-    float32 sum moves in steps of 6e-8 near 1: over a 152k vocabulary most of a peaked distribution's
-    tail then got an interval of 0 or of one step, whatever its probability."""
+# The two-level draw's block: pick_tokens picks one of ceil(V / DRAW_BLOCK) blocks of the vocabulary, then a
+# token within it. 256 columns: a block's float32 sum is off by at most ~1e-7 of its own mass, and the second
+# level's float64 CDF is (R, 256) per token, a 600th of Qwen's 152k vocabulary.
+DRAW_BLOCK = 256
+# Each prompt's generator draws the uniforms of this many decode steps at once: one call per prompt every
+# 32 tokens, not every token (with B prompts a chunk, B small kernel launches a token on a GPU). On a CPU
+# the numbers are those of one draw a step (the generator's stream is consumed in the same order).
+DRAWS_AHEAD = 32
+
+
+def sampling_probs(logits, temperature: float, top_p: float):
+    """The distribution (R, V) float32 that pick_tokens draws from (unnormalised after a nucleus cut)."""
     probs = torch.softmax(logits.float() / temperature, -1)  # (R, V)
     if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p
         sorted_p, idx = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
-    return probs.cumsum(-1, dtype=torch.float64)  # (R, V)
+    return probs
+
+
+def block_cdf(probs):
+    """(R, ceil(V / DRAW_BLOCK)) float64: the cumulative mass of the vocabulary's blocks, each block's mass a
+    float32 sum (a float64 one costs 25x more on a CPU), the running sum across blocks float64."""
+    V = probs.shape[1]
+    full = V - V % DRAW_BLOCK  # columns in whole blocks
+    masses = [probs[:, :full].unflatten(1, (-1, DRAW_BLOCK)).sum(-1)] if full else []  # (R, V // DRAW_BLOCK)
+    if full < V:
+        masses.append(probs[:, full:].sum(-1, keepdim=True))  # (R, 1) the last, partial block
+    return torch.cat(masses, 1).cumsum(-1, dtype=torch.float64)  # (R, nb)
+
+
+def sampling_cdf(logits, temperature: float, top_p: float):
+    """The whole CDF (R, V) float64 that pick_tokens draws from, though it never builds it (for tests): in
+    block j, token v's interval is block j's share of [0, total), split in proportion to the float64 CDF
+    of the block's probabilities. Its widths are the probabilities to a relative ~1e-7 (the float32 block
+    sums), never an absolute step: a float32 CDF moves in steps of 6e-8 near 1, and over a 152k
+    vocabulary most of a peaked distribution's tail then got an interval of 0 or of one step."""
+    probs = sampling_probs(logits, temperature, top_p)  # (R, V)
+    R, V = probs.shape
+    cdf = block_cdf(probs)  # (R, nb)
+    start = F.pad(cdf, (1, 0))[:, :-1]  # (R, nb) mass before each block
+    inner = F.pad(probs, (0, cdf.shape[1] * DRAW_BLOCK - V)).view(R, -1, DRAW_BLOCK).cumsum(-1, dtype=torch.float64)
+    share = inner / inner[..., -1:].clamp(min=torch.finfo(torch.float64).tiny)  # (R, nb, DRAW_BLOCK); 0 in empty blocks
+    return (start[..., None] + (cdf - start)[..., None] * share).flatten(1)[:, :V]  # (R, V)
 
 
 def pick_tokens(logits, temperature: float, top_p: float, u):
-    """One token per row of logits (R, V), drawn by inverse CDF with the row's uniform u (R,) float64
-    in [0, 1): every token gets its probability, to float64 rounding. Greedy when temperature == 0
-    (u unused). One uniform a row, made by the caller, so a row's draw depends on nothing else."""
+    """One token per row of logits (R, V), drawn by inverse CDF (sampling_cdf's) with the row's uniform u
+    (R,) float64 in [0, 1), in two levels: the block, from the blocks' cumulative masses; then the token,
+    from the float64 CDF of that block alone, the offset into the block rescaled to it. Greedy when
+    temperature == 0 (u unused). One uniform a row, made by the caller, so a row's draw depends on
+    nothing else."""
     if temperature == 0:
         return logits.argmax(-1)
-    cdf = sampling_cdf(logits, temperature, top_p)  # (R, V)
+    probs = sampling_probs(logits, temperature, top_p)  # (R, V)
+    V = probs.shape[1]
+    cdf = block_cdf(probs)  # (R, nb)
     total = cdf[:, -1:]  # (R, 1)
-    # u * total < total always (the nextafter guards u * total rounding up to it): the search
-    # (the first v with cdf[v] > x) never runs past the last token with p > 0, never lands on p = 0
+    # u * total < total always (the nextafter guards u * total rounding up to it): the searches (the first
+    # entry > x) never run past the last block or token with p > 0, never land on p = 0
     x = torch.minimum(u[:, None].to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))  # (R, 1)
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # (R,)
+    j = torch.searchsorted(cdf, x, right=True)  # (R, 1) the block: cdf[j - 1] <= x < cdf[j], so its mass > 0
+    start = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), 0.0)  # (R, 1) mass before block j
+    cols = j * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # (R, DRAW_BLOCK) block j's columns
+    inner = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).cumsum(-1, dtype=torch.float64)
+    inner_total = inner[:, -1:]  # (R, 1) > 0
+    y = (x - start) / (cdf.gather(1, j) - start) * inner_total  # (R, 1) the offset into block j, on its own CDF
+    y = torch.minimum(y, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
+    return j.squeeze(-1) * DRAW_BLOCK + torch.searchsorted(inner, y, right=True).squeeze(-1)  # (R,)
 
 
 @torch.no_grad()
@@ -206,8 +250,9 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
     lo, hi = part
     n = hi - lo  # rows per prompt in this chunk
 
-    def uniforms():  # (len(prompt_ids) * n,): each prompt draws the uniforms of all n_group of its rollouts
-        return torch.cat([torch.rand(n_group, generator=g, device=dev, dtype=torch.float64)[lo:hi] for g in gens])
+    def uniforms():  # (DRAWS_AHEAD, len(prompt_ids) * n): each prompt draws for all n_group of its rollouts
+        return torch.cat([torch.rand(DRAWS_AHEAD, n_group, generator=g, device=dev, dtype=torch.float64)[:, lo:hi]
+                          for g in gens], 1)
 
     # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
     per_layer, first_logits = None, []
@@ -237,7 +282,9 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
     logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row i is prompt i // n
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
-        u = uniforms()[rows] if temperature else None  # (r,) the rows still decoding take theirs
+        if temperature and t % DRAWS_AHEAD == 0:
+            u_ahead = uniforms()  # (DRAWS_AHEAD, R)
+        u = u_ahead[t % DRAWS_AHEAD, rows] if temperature else None  # (r,) the rows still decoding take theirs
         tok = pick_tokens(logits, temperature, top_p, u)  # (r,)
         tok = torch.where(done, pad_id, tok)
         tokens[rows, t], mask[rows, t] = tok, ~done

@@ -170,9 +170,10 @@ class Rollouts:
 
 
 # The two-level draw's block: pick_tokens picks one of ceil(V / DRAW_BLOCK) blocks of the vocabulary, then a
-# token within it. 256 columns: a block's float32 sum is off by at most ~1e-7 of its own mass, and the second
-# level's float64 CDF is (R, 256) per token, a 600th of Qwen's 152k vocabulary.
-DRAW_BLOCK = 256
+# token within it. 1024 columns: a block's float32 sum is off by well under 1e-6 of its own mass, the second
+# level's float64 CDF is (R, 1024) per token, a 150th of Qwen's 152k vocabulary; and a vocabulary of at
+# most one block (the byte-level 258) is drawn in one level, with no block bookkeeping.
+DRAW_BLOCK = 1024
 # Each prompt's generator draws the uniforms of this many decode steps at once: one call per prompt every
 # 32 tokens, not every token (with B prompts a chunk, B small kernel launches a token on a GPU). On a CPU
 # the numbers are those of one draw a step (the generator's stream is consumed in the same order).
@@ -181,7 +182,7 @@ DRAWS_AHEAD = 32
 
 def sampling_probs(logits, temperature: float, top_p: float):
     """The distribution (R, V) float32 that pick_tokens draws from (unnormalised after a nucleus cut)."""
-    probs = torch.softmax(logits.float() / temperature, -1)  # (R, V)
+    probs = torch.softmax(logits.float() / temperature if temperature != 1 else logits.float(), -1)  # (R, V)
     if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p
         sorted_p, idx = probs.sort(-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
@@ -203,16 +204,26 @@ def block_cdf(probs):
 def sampling_cdf(logits, temperature: float, top_p: float):
     """The whole CDF (R, V) float64 that pick_tokens draws from, though it never builds it (for tests): in
     block j, token v's interval is block j's share of [0, total), split in proportion to the float64 CDF
-    of the block's probabilities. Its widths are the probabilities to a relative ~1e-7 (the float32 block
-    sums), never an absolute step: a float32 CDF moves in steps of 6e-8 near 1, and over a 152k
-    vocabulary most of a peaked distribution's tail then got an interval of 0 or of one step."""
+    of the block's probabilities (one block: that CDF). Its widths are the probabilities to a relative
+    ~1e-7 (the float32 block sums), never an absolute step: a float32 CDF moves in steps of 6e-8 near 1,
+    and over a 152k vocabulary most of a peaked distribution's tail then got an interval of 0 or of one step."""
     probs = sampling_probs(logits, temperature, top_p)  # (R, V)
     R, V = probs.shape
+    if V <= DRAW_BLOCK:
+        return probs.cumsum(-1, dtype=torch.float64)  # (R, V)
     cdf = block_cdf(probs)  # (R, nb)
     start = F.pad(cdf, (1, 0))[:, :-1]  # (R, nb) mass before each block
     inner = F.pad(probs, (0, cdf.shape[1] * DRAW_BLOCK - V)).view(R, -1, DRAW_BLOCK).cumsum(-1, dtype=torch.float64)
     share = inner / inner[..., -1:].clamp(min=torch.finfo(torch.float64).tiny)  # (R, nb, DRAW_BLOCK); 0 in empty blocks
     return (start[..., None] + (cdf - start)[..., None] * share).flatten(1)[:, :V]  # (R, V)
+
+
+def search_cdf(cdf, x):
+    """(R, 1): in each row of cdf (R, C) float64, the first column above x (R, 1) >= 0, x first capped just
+    below the row's total (x = u * total can round up to it): never past the last column with mass, never
+    on a column without (its cdf equals the one before)."""
+    total = cdf[:, -1:]  # (R, 1)
+    return torch.searchsorted(cdf, torch.minimum(x, torch.nextafter(total, torch.zeros_like(total))), right=True)
 
 
 def pick_tokens(logits, temperature: float, top_p: float, u):
@@ -225,19 +236,17 @@ def pick_tokens(logits, temperature: float, top_p: float, u):
         return logits.argmax(-1)
     probs = sampling_probs(logits, temperature, top_p)  # (R, V)
     V = probs.shape[1]
+    if V <= DRAW_BLOCK:  # one block
+        cdf = probs.cumsum(-1, dtype=torch.float64)  # (R, V)
+        return search_cdf(cdf, u[:, None] * cdf[:, -1:]).squeeze(-1)  # (R,)
     cdf = block_cdf(probs)  # (R, nb)
-    total = cdf[:, -1:]  # (R, 1)
-    # u * total < total always (the nextafter guards u * total rounding up to it): the searches (the first
-    # entry > x) never run past the last block or token with p > 0, never land on p = 0
-    x = torch.minimum(u[:, None].to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))  # (R, 1)
-    j = torch.searchsorted(cdf, x, right=True)  # (R, 1) the block: cdf[j - 1] <= x < cdf[j], so its mass > 0
+    x = u[:, None] * cdf[:, -1:]  # (R, 1) float64
+    j = search_cdf(cdf, x)  # (R, 1) the block: cdf[j - 1] <= x < cdf[j], so its mass > 0
     start = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), 0.0)  # (R, 1) mass before block j
     cols = j * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # (R, DRAW_BLOCK) block j's columns
     inner = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).cumsum(-1, dtype=torch.float64)
-    inner_total = inner[:, -1:]  # (R, 1) > 0
-    y = (x - start) / (cdf.gather(1, j) - start) * inner_total  # (R, 1) the offset into block j, on its own CDF
-    y = torch.minimum(y, torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    return j.squeeze(-1) * DRAW_BLOCK + torch.searchsorted(inner, y, right=True).squeeze(-1)  # (R,)
+    y = (x - start) / (cdf.gather(1, j) - start) * inner[:, -1:]  # (R, 1) the offset into block j, on its own CDF
+    return (j * DRAW_BLOCK + search_cdf(inner, y)).squeeze(-1)  # (R,)
 
 
 @torch.no_grad()

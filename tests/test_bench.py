@@ -14,4 +14,5 @@ def test_every_bench_part_runs_at_a_tiny_size(capsys):
     for header in ("== sampler:", "== varied lengths:", "== step:", "== breadth:"):
         assert header in out, out[-2000:]
     step_row = next(ln for ln in out.splitlines() if ln.startswith("brorl     4 |"))
-    assert float(step_row.split("|")[1].split()[0]) > 0  # completions/s of a step that ran
+    completions_s, step_s = (float(x) for x in step_row.split("|")[1].split()[:2])
+    assert step_s > 0 and completions_s >= 0  # a step ran (completions/s is printed rounded: 0 on a slow CPU)

@@ -335,23 +335,23 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 differ in length. Mean and unbiased variance over tokens, as verl; eps 1e-8 inside the sqrt.
       response: the same over responses (one vote each; ProRL v2's formula read per sequence).
       group:    GRPO: / (std_group + 1e-6).
-    A group whose rewards are all equal gets exactly 0: it carries no signal, and the batch-mean
-    subtraction must not leak rounding noise into it."""
+    A group whose rewards are all equal (only with --dynamic_sampling 0) is centred to 0 and then
+    whitened with the rest, as verl does: it gets -mean/std, the same for all its rows (positive when
+    right answers are shorter than wrong ones: the token mean of the centred values is then
+    negative). That keeps the batch form's zero token-sum exact; under group it stays 0."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
-    informative = (rewards.max(1).values > rewards.min(1).values)[:, None]  # (G, 1)
     if norm == "group":
-        adv = centred / (rewards.std(1, keepdim=True) + 1e-6)
-    else:
-        if norm == "batch" and lengths is None:
-            raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-        # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
-        w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
-        x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
-        mean, adv = (w * x).sum() / n, centred
-        if n > 1:
-            var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
-            adv = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
-    return torch.where(informative, adv, torch.zeros_like(adv))
+        return centred / (rewards.std(1, keepdim=True) + 1e-6)
+    if norm == "batch" and lengths is None:
+        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
+    # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
+    w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
+    x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
+    mean = (w * x).sum() / n
+    if n <= 1:  # no variance to divide by
+        return centred
+    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
+    return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (G, N)
 
 
 # ----------------------------------------------------------------------------

@@ -137,15 +137,31 @@ def test_top_p_samples_only_from_the_nucleus():
 
 
 @pytest.mark.parametrize("norm", ["batch", "response", "group"])
-def test_all_equal_groups_get_exactly_zero_advantage(norm):
+def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
+    """With --dynamic_sampling 0 a group with no signal stays in the batch: centred to 0, then whitened
+    with the rest (verl's REINFORCE++-baseline), so it gets -mean/std, one value for all its rows;
+    under group (GRPO) 0 / (0 + 1e-6) = 0."""
     g = torch.Generator().manual_seed(0)
     r = (torch.rand(6, 16, generator=g) < 0.4).float()
     r[1], r[4] = 1.0, 0.0  # an all-right and an all-wrong group
-    lengths = torch.randint(1, 50, (6, 16), generator=g)  # (G, N) valid tokens per response
+    # right answers short, wrong ones long: the token mean of the centred values is negative
+    lengths = torch.where(r > 0, torch.randint(5, 20, r.shape, generator=g), torch.randint(30, 50, r.shape, generator=g))
     adv = brorl.compute_advantages(r, norm, lengths)
     assert torch.isfinite(adv).all()
-    assert (adv[1] == 0).all() and (adv[4] == 0).all()
     assert (adv[0] != 0).any()
+    if norm == "group":
+        assert (adv[1] == 0).all() and (adv[4] == 0).all()
+    else:
+        w = (lengths if norm == "batch" else torch.ones_like(r)).double()  # each response's weight
+        x = (r - r.mean(1, keepdim=True)).double()  # (G, N) centred
+        mean = (w * x).sum() / w.sum()
+        std = (((w * (x - mean) ** 2).sum() / (w.sum() - 1)) + 1e-8).sqrt()  # unbiased, as verl
+        for i in (1, 4):
+            torch.testing.assert_close(adv[i], torch.full((16,), (-mean / std).item()), rtol=1e-5, atol=1e-6)
+        if norm == "batch":  # over tokens the centred mean is not 0 (per response it is: adv 0 there)
+            assert adv[1, 0] > 0.1
+            # the zero token-sum holds with the no-signal groups in it
+            assert abs((adv.double() * lengths).sum() / lengths.sum()) < 1e-6
     only_equal = brorl.compute_advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
     assert torch.equal(only_equal, torch.zeros(3, 4))
 

@@ -380,9 +380,14 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     pm = batch["prompt_mask"][groups]  # (g, P)
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
     T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)  # trim trailing padding, keep 2
-    # 1. each prompt once; its last position predicts response token 0
+    # 1. each prompt once; its last position predicts response token 0. Prompts are left-padded: a
+    # padding position attends to itself (its output is never used), as a row with no key at all
+    # gives NaN in some CUDA attention kernels
+    g, P = pm.shape
+    eye = torch.eye(P, dtype=torch.bool, device=pm.device)  # (P, P)
+    prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye  # (g, P, P): causal over real keys, + itself
     cache = ReplayCache(model.config)
-    first = states(net(batch["prompt"][groups], attention_mask=pm.long(),
+    first = states(net(batch["prompt"][groups], attention_mask=prompt_attn[:, None],
                        position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
                        **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
     # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while

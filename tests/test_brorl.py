@@ -123,6 +123,45 @@ def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
     assert (logp[batch["resp_mask"]] < 0).all() and (logp[~batch["resp_mask"]] == 0).all()
 
 
+def test_every_attention_row_has_a_key(random_lm):
+    """No query row of any mask the sampler (prefill, decode) or the update builds allows no key: CUDA
+    SDPA kernels have returned NaN for such rows (a CPU returns 0). Prompts of unequal lengths, so
+    that the update's prompt pass is left-padded. Every call's mask is captured at the attention."""
+    from transformers import AttentionInterface
+    model, tok = random_lm
+    seen = []
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask, key.shape[-2]))
+        return sampler.cascade_attention(module, query, key, value, attention_mask, **kw)
+    AttentionInterface.register("brorl", capture)
+    try:
+        ro = brorl.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
+        n_sampler = len(seen)
+        batch = brorl.pack_groups([(ro, g, None) for g in range(len(PROMPTS))])
+        assert not batch["prompt_mask"].all()  # left-padding is there
+        logp = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        logp.sum().backward()
+    finally:
+        AttentionInterface.register("brorl", sampler.cascade_attention)
+    assert 0 < n_sampler < len(seen)
+    kinds = set()
+    for mask, n_keys in seen:
+        if isinstance(mask, sampler.SharedPrefixCache):  # decode: the prompt's keys, then the row's own
+            assert n_keys >= 1  # the row's own current token: never masked
+            kinds.add("decode")
+        elif mask is None:  # plain causal (a prompt alone): every row sees itself
+            kinds.add("causal")
+        else:
+            mask = mask[..., :n_keys]  # (b, 1, q, k), as SDPA slices it
+            allowed = mask if mask.dtype == torch.bool else mask > -math.inf
+            assert allowed.any(-1).all(), "a query row with no allowed key"
+            kinds.add("mask")
+    assert kinds == {"decode", "causal", "mask"}
+    assert torch.isfinite(logp).all() and model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
 def test_top_p_samples_only_from_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
     u = torch.rand(len(logits), generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # (R,)

@@ -81,7 +81,7 @@ import distributed
 import harness
 import planner
 import verify
-from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head
+from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head, split_revision
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
@@ -93,7 +93,7 @@ from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it 
 @dataclass
 class Config:
     # model and task
-    model: str = str(data.EMBEDDED_MODEL)  # HF hub id or local dir (default: the embedded tiny model)
+    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or local dir (default: the embedded tiny model)
     task: str = "arith"  # arith (embedded), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
     eval_task: str = ""  # a separate held-out source, same syntax (all its rows); default: --task's held-out split
     system_prompt: str = ""  # system message before each prompt (needs a chat template; default: none)
@@ -169,11 +169,18 @@ PRESETS = {
     "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
                       n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
                       grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
-    # The paper's recipe (docs/paper.md): 128 prompts x 512 rollouts x 8k tokens a step, trained on 64 GPUs;
-    # on one GPU it fits only with --grad_ckpt and takes more than a day a step (planner.step_seconds)
-    "paper": dict(n_rollouts=512, prompts_per_step=128, max_new_tokens=8192, lr=2e-6 * math.sqrt(8),
-                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, steps=200, eval_every=25,
-                  eval_prompts=256, eval_samples=16),
+    # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub repository
+    # below at its v2 revision (pin the revision with --model id@revision; BroRL's own result is the
+    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts x 16k tokens a step, on 64 GPUs. lr: ProRL v2's
+    # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
+    # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
+    # reset interval is not published: 200 is ours. Evaluation as the paper's: 16 samples at T 0.6,
+    # top_p 0.95 (brorl.evaluate), 32k tokens. On one GPU it fits only with --grad_ckpt and takes more
+    # than a day a step (--plan: planner.step_seconds); with torchrun, each rank holds 1/K of it.
+    "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
+                  n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, grad_ckpt=True, steps=200, eval_every=25,
+                  eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
 }
 
 
@@ -372,6 +379,13 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
                                  torch.zeros(1, dtype=torch.long, device=dev), temperature)  # (1, 2)
         out = batch["sampler_logp"][:0] + 0.0 * idle.sum()  # (0, T), in the graph: backward joins too
         return (out, out) if with_entropy else out
+    # K > 1: the whole pass is one forward of the sharded model (distributed.in_forward), so that FSDP
+    # gathers the root's parameters (embeddings, final norm, head) for all of it, head included
+    return distributed.in_forward(model, lambda: logprobs_pass(model, batch, rows, temperature, with_entropy))
+
+
+def logprobs_pass(model, batch, rows, temperature, with_entropy):
+    """response_logprobs' forward: the prompts once, then the responses against their prompt's keys."""
     head = plain_head(model)
     net = model.get_decoder() if head is not None else model  # hidden states, or logits
     states = lambda out: out.last_hidden_state if head is not None else out.logits
@@ -397,8 +411,8 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     # needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
     row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
                                            for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-    r, P = len(rows), pm.shape[1]
-    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
+    r = len(rows)
+    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1): every row sees itself
     attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
     pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
     rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
@@ -652,16 +666,22 @@ def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
 
 
 def plan_only(cfg: Config) -> list:
-    """--plan: the memory plan from the model's config and tokenizer, loading no weights."""
+    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
+    device, then per rank of 8 (torchrun)."""
     from transformers import AutoConfig
     name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     train_set = load_data(cfg, "--task", cfg.task, "train")
+    name, revision = split_revision(name)
     try:
-        model_config, tok = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        model_config = AutoConfig.from_pretrained(name, revision=revision)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    planner.plan_memory(cfg, model_config, tok, train_set, device)
+    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True)
+    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
+        print()
+        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True)
     return []
 
 
@@ -722,7 +742,7 @@ def train(cfg: Config) -> list:
         f"verifier {cfg.verifier}; run dir {out}")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
-    model, replica = distributed.shard(model)
+    model, replica = distributed.shard(model, dtype)
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)

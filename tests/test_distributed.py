@@ -20,13 +20,27 @@ import sampler
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 # Runs brorl.train as `python brorl.py` would, recording per rank: every sample_share call (this rank's
-# prompts and texts, and the rewards of all ranks), every clipped mini-batch's gradient norm, and the
-# micro-batches and steps this rank ran with no row. CRASH_AT_UPDATE=<rank>:<n> makes that rank raise in
-# its n-th update.
+# prompts and texts, and the rewards of all ranks), every clipped mini-batch's gradient norm and this
+# rank's rows of that mini-batch, the micro-batches and steps this rank ran with no row, and which
+# log-prob kernel the update called (from hidden states, or from logits). CRASH_AT_UPDATE=<rank>:<n>
+# makes that rank raise in its n-th update.
 RUNNER = textwrap.dedent('''
     import json, os, sys, torch
     import brorl, distributed
-    calls, norms, idle, empty = [], [], [0], [0]
+    calls, norms, rows, idle, empty, kernel = [], [], [], [0], [0], {"linear": 0, "logits": 0}
+    weights = brorl.loss_weights
+    def recording_weights(mask, *a, **k):
+        rows.append(mask.shape[0])
+        return weights(mask, *a, **k)
+    brorl.loss_weights = recording_weights
+    linear, from_logits = brorl.linear_logprobs, brorl.token_logprobs
+    def counting_linear(*a, **k):
+        kernel["linear"] += 1
+        return linear(*a, **k)
+    def counting_logits(*a, **k):
+        kernel["logits"] += 1
+        return from_logits(*a, **k)
+    brorl.linear_logprobs, brorl.token_logprobs = counting_linear, counting_logits
     pack = brorl.pack_groups
     def counting_pack(kept, *a):
         empty[0] += len(kept) == 0
@@ -61,7 +75,7 @@ RUNNER = textwrap.dedent('''
         brorl.update_policy = crashing_update
     cfg = brorl.parse_config(sys.argv[1:])
     brorl.train(cfg)
-    record = dict(calls=calls, norms=norms, idle=idle[0], empty=empty[0])
+    record = dict(calls=calls, norms=norms, rows=rows, idle=idle[0], empty=empty[0], kernel=kernel)
     (__import__("pathlib").Path(cfg.out) / f"record-{distributed.rank()}.json").write_text(json.dumps(record))
 ''')
 
@@ -71,9 +85,14 @@ TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--steps", "3", "--eval_
 
 
 def start(tmp_path, out, args, procs=1, threads=1, env=None):
-    """brorl.py through RUNNER, started: plain python for procs = 0, else torchrun with `procs` processes."""
+    """brorl.py through RUNNER, started: plain python for procs = 0, else torchrun with `procs` processes.
+    The runner script is written once per directory, whole (renamed into place): a run started while
+    another is starting must never read a half-written script."""
     runner = tmp_path / "runner.py"
-    runner.write_text(RUNNER)
+    if not runner.exists():
+        part = tmp_path / f"runner.py.{os.getpid()}.part"
+        part.write_text(RUNNER)
+        os.replace(part, runner)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": str(HERE), **(env or {})}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -99,7 +118,15 @@ def finish(p, timeout=300):
 
 
 def records(out, procs):
-    return [json.loads((out / f"record-{r}.json").read_text()) for r in range(max(procs, 1))]
+    """Each rank's record of the run in `out`; a missing one fails naming the run and showing its log."""
+    found = []
+    for r in range(max(procs, 1)):
+        path = out / f"record-{r}.json"
+        if not path.exists():
+            logs = "\n".join(f"--- {log.name}:\n{log.read_text()[-3000:]}" for log in sorted(out.parent.glob(f"{out.name}-*.log")))
+            pytest.fail(f"run {out.name}: rank {r} wrote no record ({path})\n{logs or '(no log)'}")
+        found.append(json.loads(path.read_text()))
+    return found
 
 
 def weights(out):
@@ -150,9 +177,18 @@ def test_two_processes_sample_the_same_rollouts_each_only_its_share(runs):
 
 def test_two_processes_train_as_one(runs):
     one, two = records(runs["one"], 0)[0], records(runs["two"], 2)
-    # step 1, mini-batch 1: the same gradient up to float summation order (the weights are still equal)
-    assert two[0]["norms"] == two[1]["norms"]
-    assert two[0]["norms"][0] == pytest.approx(one["norms"][0], rel=1e-5)
+    # every mini-batch of every step: the same gradient norm up to float summation order. Where both
+    # ranks hold rows of a mini-batch, each rank's loss must be weighted by the normaliser of ALL its
+    # rows and the ranks' gradients summed: a rank-local normaliser or an average would move the norm
+    assert two[0]["norms"] == two[1]["norms"]  # one clipped norm, the whole gradient's, on every rank
+    assert len(one["norms"]) == len(two[0]["norms"]) > 0
+    shared = [i for i, (a, b) in enumerate(zip(two[0]["rows"], two[1]["rows"])) if a and b]
+    assert len(shared) >= 2, (two[0]["rows"], two[1]["rows"])  # the comparison below can see those bugs
+    for i, (a, b) in enumerate(zip(one["norms"], two[0]["norms"])):
+        assert b == pytest.approx(a, rel=1e-4), f"mini-batch {i}: 2 processes {b}, 1 process {a}"
+    # the update's log-probs come from hidden states on both (kernels.linear_logprobs): never the logits
+    assert one["kernel"]["linear"] > 0 and one["kernel"]["logits"] == 0
+    assert all(rank["kernel"]["linear"] > 0 and rank["kernel"]["logits"] == 0 for rank in two)
     m1, m2 = metrics(runs["one"]), metrics(runs["two"])
     for a, b in zip(m1, m2):  # every batch statistic over all ranks: the same kept groups and rewards
         for k in ("reward_mean", "keep_rate", "groups_kept", "sample_rounds", "zero_adv_frac", "pass@N", "resp_len"):

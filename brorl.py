@@ -174,12 +174,12 @@ PRESETS = {
     # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts x 16k tokens a step, on 64 GPUs. lr: ProRL v2's
     # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
     # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
-    # reset interval is not published: 200 is ours. Evaluation as the paper's: 16 samples at T 0.6,
+    # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
     # top_p 0.95 (brorl.evaluate), 32k tokens. On one GPU it fits only with --grad_ckpt and takes more
     # than a day a step (--plan: planner.step_seconds); with torchrun, each rank holds 1/K of it.
     "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
                   n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
-                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, grad_ckpt=True, steps=200, eval_every=25,
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200, eval_every=25,
                   eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
 }
 
@@ -296,6 +296,27 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     kept = kept[:B]  # DAPO keeps exactly B; extra survivors of the last round are dropped
     stats["groups_kept"] = len(kept)
     return kept, stats
+
+
+def balance_groups(kept) -> list:
+    """The kept groups, each on the rank that trains it: an even share of them per rank (distributed.move),
+    not the ranks' own survivors (which dynamic sampling and the truncation to B leave uneven). A moved
+    group travels as a one-group Rollouts. K = 1: kept."""
+    if distributed.world_size() == 1:
+        return kept
+    owner = distributed.all_sum(torch.tensor([distributed.rank() * (ro is not None) for ro, _, _ in kept]))  # (G,)
+    one = [None if ro is None else one_group(ro, g) for ro, g, _ in kept]
+    moved = distributed.move(one, owner.long().tolist())
+    return [(ro, 0, r) if ro is not None else (None, None, r) for ro, (_, _, r) in zip(moved, kept)]
+
+
+def one_group(ro: Rollouts, g: int) -> Rollouts:
+    """Group g of a Rollouts as a Rollouts of its own: its prompt, copies of its n rows (a view would
+    travel with its whole storage)."""
+    rows = slice(g * ro.n, (g + 1) * ro.n)
+    pick = lambda name, x: ([x[g]] if name == "prompt_ids" else x[rows].clone() if isinstance(x, torch.Tensor)
+                            else x[rows] if isinstance(x, list) else x)
+    return dataclasses.replace(ro, **{f.name: pick(f.name, getattr(ro, f.name)) for f in dataclasses.fields(ro)})
 
 
 def pack_groups(kept, dev=None) -> dict:
@@ -566,7 +587,8 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups sampled here
+        kept = balance_groups(kept)
+        mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups trained here
         batch = pack_groups([kept[j] for j in mine], model.device)
         N = cfg.n_rollouts
         batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * N + torch.arange(N)).flatten()  # (r,)

@@ -9,7 +9,8 @@ What is split and what is gathered (brorl.py calls these at each point):
   - rollouts: each round's prompts are chosen identically on every rank, and each rank samples and
     scores its share() of them; the rewards of all prompts are gather()ed, so that every rank takes
     the same dynamic-sampling decisions and computes the same advantages. Each prompt's rollouts
-    come from its own seed, so they do not depend on which rank drew them.
+    come from its own seed, so they do not depend on which rank drew them. The kept groups are then
+    move()d so that each rank trains an even share() of them, whichever ranks' prompts survived.
   - the update: FSDP2 shards the parameters, gradients and AdamW state across ranks (shard()). Each
     rank computes the loss of the kept rows it sampled, weighted by the mini-batch's normaliser
     summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
@@ -79,10 +80,32 @@ def teardown():
 # The reductions the algorithm needs. Tensors are moved to the CPU: they are a few numbers.
 
 
-def share(n: int) -> range:
-    """This rank's contiguous share of n items (sizes differ by at most one; empty if n < K)."""
-    K, r = world_size(), rank()
+def share(n: int, r: int | None = None) -> range:
+    """This rank's (or rank r's) contiguous share of n items (sizes differ by at most one; empty if n < K)."""
+    K, r = world_size(), rank() if r is None else r
     return range(r * n // K, (r + 1) * n // K)
+
+
+def move(items: list, owner: list) -> list:
+    """items[j], held by rank owner[j] (None on the others), moved to the rank whose share() of the
+    len(items) holds j: returns this rank's list, items[j] for j in share(len(items)), None elsewhere.
+    Only the items whose owner is not their destination travel, one send and one receive each, in the
+    order of j on every rank (no cycle of waits). K = 1: items."""
+    if not dist.is_initialized():
+        return items
+    n, r = len(items), rank()
+    dest = [k for k in range(world_size()) for _ in share(n, k)]  # (n,) the rank each item goes to
+    out = [items[j] if dest[j] == r else None for j in range(n)]
+    for j in range(n):
+        if owner[j] == dest[j]:
+            continue
+        if r == owner[j]:
+            dist.send_object_list([items[j]], dst=dest[j])
+        elif r == dest[j]:
+            box = [None]
+            dist.recv_object_list(box, src=owner[j])
+            out[j] = box[0]
+    return out
 
 
 def gather(x: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ class Config:
     # run, whitens over tokens
     adv_norm: str = "batch"  # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO
     # policy update
-    lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
+    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
@@ -175,8 +175,8 @@ PRESETS = {
     # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
     # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
     # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
-    # top_p 0.95 (brorl.evaluate), 32k tokens. On one GPU it fits only with --grad_ckpt and takes more
-    # than a day a step (--plan: planner.step_seconds); with torchrun, each rank holds 1/K of it.
+    # top_p 0.95 (brorl.evaluate), 32k tokens. A multi-GPU job: on one 80 GB GPU even one row's update
+    # does not fit (the step's (rows, T) tensors alone are 29 GB); on 8 it fits with --grad_ckpt (--plan)
     "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
                   n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
                   n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200, eval_every=25,

@@ -12,7 +12,7 @@ What is split and what is gathered (brorl.py calls these at each point):
     come from its own seed, so they do not depend on which rank drew them. The kept groups are then
     move()d so that each rank trains an even share() of them, whichever ranks' prompts survived.
   - the update: FSDP2 shards the parameters, gradients and AdamW state across ranks (shard()). Each
-    rank computes the loss of the kept rows it sampled, weighted by the mini-batch's normaliser
+    rank computes the loss of the kept rows it holds, weighted by the mini-batch's normaliser
     summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
     default), so that the gradient is one process's up to float rounding. With a bf16 compute dtype
     FSDP all-gathers bf16 copies of the parameters (half the traffic and the gathered bytes) and

@@ -81,7 +81,7 @@ import distributed
 import harness
 import planner
 import verify
-from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head
+from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head, split_revision
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
@@ -93,7 +93,7 @@ from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it 
 @dataclass
 class Config:
     # model and task
-    model: str = str(data.EMBEDDED_MODEL)  # HF hub id or local dir (default: the embedded tiny model)
+    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or local dir (default: the embedded tiny model)
     task: str = "arith"  # arith (embedded), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
     eval_task: str = ""  # a separate held-out source, same syntax (all its rows); default: --task's held-out split
     system_prompt: str = ""  # system message before each prompt (needs a chat template; default: none)
@@ -116,7 +116,7 @@ class Config:
     # run, whitens over tokens
     adv_norm: str = "batch"  # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO
     # policy update
-    lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
+    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
@@ -169,11 +169,18 @@ PRESETS = {
     "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
                       n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
                       grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
-    # The paper's recipe (docs/paper.md): 128 prompts x 512 rollouts x 8k tokens a step, trained on 64 GPUs;
-    # on one GPU it fits only with --grad_ckpt and takes more than a day a step (planner.step_seconds)
-    "paper": dict(n_rollouts=512, prompts_per_step=128, max_new_tokens=8192, lr=2e-6 * math.sqrt(8),
-                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=200, steps=200, eval_every=25,
-                  eval_prompts=256, eval_samples=16),
+    # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub repository
+    # below at its v2 revision (pin the revision with --model id@revision; BroRL's own result is the
+    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts x 16k tokens a step, on 64 GPUs. lr: ProRL v2's
+    # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
+    # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
+    # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
+    # top_p 0.95 (brorl.evaluate), 32k tokens. A multi-GPU job: on one 80 GB GPU even one row's update
+    # does not fit (the step's (rows, T) tensors alone are 29 GB); on 8 it fits with --grad_ckpt (--plan)
+    "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
+                  n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200, eval_every=25,
+                  eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
 }
 
 
@@ -291,6 +298,27 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     return kept, stats
 
 
+def balance_groups(kept) -> list:
+    """The kept groups, each on the rank that trains it: an even share of them per rank (distributed.move),
+    not the ranks' own survivors (which dynamic sampling and the truncation to B leave uneven). A moved
+    group travels as a one-group Rollouts. K = 1: kept."""
+    if distributed.world_size() == 1:
+        return kept
+    owner = distributed.all_sum(torch.tensor([distributed.rank() * (ro is not None) for ro, _, _ in kept]))  # (G,)
+    one = [None if ro is None else one_group(ro, g) for ro, g, _ in kept]
+    moved = distributed.move(one, owner.long().tolist())
+    return [(ro, 0, r) if ro is not None else (None, None, r) for ro, (_, _, r) in zip(moved, kept)]
+
+
+def one_group(ro: Rollouts, g: int) -> Rollouts:
+    """Group g of a Rollouts as a Rollouts of its own: its prompt, copies of its n rows (a view would
+    travel with its whole storage)."""
+    rows = slice(g * ro.n, (g + 1) * ro.n)
+    pick = lambda name, x: ([x[g]] if name == "prompt_ids" else x[rows].clone() if isinstance(x, torch.Tensor)
+                            else x[rows] if isinstance(x, list) else x)
+    return dataclasses.replace(ro, **{f.name: pick(f.name, getattr(ro, f.name)) for f in dataclasses.fields(ro)})
+
+
 def pack_groups(kept, dev=None) -> dict:
     """Kept groups -> one training batch on `dev` (default: where the rollouts are): G prompts,
     left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`).
@@ -335,23 +363,23 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 differ in length. Mean and unbiased variance over tokens, as verl; eps 1e-8 inside the sqrt.
       response: the same over responses (one vote each; ProRL v2's formula read per sequence).
       group:    GRPO: / (std_group + 1e-6).
-    A group whose rewards are all equal gets exactly 0: it carries no signal, and the batch-mean
-    subtraction must not leak rounding noise into it."""
+    A group whose rewards are all equal (only with --dynamic_sampling 0) is centred to 0 and then
+    whitened with the rest, as verl does: it gets -mean/std, the same for all its rows (positive when
+    right answers are shorter than wrong ones: the token mean of the centred values is then
+    negative). That keeps the batch form's zero token-sum exact; under group it stays 0."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
-    informative = (rewards.max(1).values > rewards.min(1).values)[:, None]  # (G, 1)
     if norm == "group":
-        adv = centred / (rewards.std(1, keepdim=True) + 1e-6)
-    else:
-        if norm == "batch" and lengths is None:
-            raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-        # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
-        w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
-        x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
-        mean, adv = (w * x).sum() / n, centred
-        if n > 1:
-            var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
-            adv = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
-    return torch.where(informative, adv, torch.zeros_like(adv))
+        return centred / (rewards.std(1, keepdim=True) + 1e-6)
+    if norm == "batch" and lengths is None:
+        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
+    # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
+    w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
+    x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
+    mean = (w * x).sum() / n
+    if n <= 1:  # no variance to divide by
+        return centred
+    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
+    return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (G, N)
 
 
 # ----------------------------------------------------------------------------
@@ -372,6 +400,13 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
                                  torch.zeros(1, dtype=torch.long, device=dev), temperature)  # (1, 2)
         out = batch["sampler_logp"][:0] + 0.0 * idle.sum()  # (0, T), in the graph: backward joins too
         return (out, out) if with_entropy else out
+    # K > 1: the whole pass is one forward of the sharded model (distributed.in_forward), so that FSDP
+    # gathers the root's parameters (embeddings, final norm, head) for all of it, head included
+    return distributed.in_forward(model, lambda: logprobs_pass(model, batch, rows, temperature, with_entropy))
+
+
+def logprobs_pass(model, batch, rows, temperature, with_entropy):
+    """response_logprobs' forward: the prompts once, then the responses against their prompt's keys."""
     head = plain_head(model)
     net = model.get_decoder() if head is not None else model  # hidden states, or logits
     states = lambda out: out.last_hidden_state if head is not None else out.logits
@@ -380,9 +415,14 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     pm = batch["prompt_mask"][groups]  # (g, P)
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
     T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)  # trim trailing padding, keep 2
-    # 1. each prompt once; its last position predicts response token 0
+    # 1. each prompt once; its last position predicts response token 0. Prompts are left-padded: a
+    # padding position attends to itself (its output is never used), as a row with no key at all
+    # gives NaN in some CUDA attention kernels
+    g, P = pm.shape
+    eye = torch.eye(P, dtype=torch.bool, device=pm.device)  # (P, P)
+    prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye  # (g, P, P): causal over real keys, + itself
     cache = ReplayCache(model.config)
-    first = states(net(batch["prompt"][groups], attention_mask=pm.long(),
+    first = states(net(batch["prompt"][groups], attention_mask=prompt_attn[:, None],
                        position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
                        **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
     # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
@@ -392,8 +432,8 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     # needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
     row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
                                            for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-    r, P = len(rows), pm.shape[1]
-    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1)
+    r = len(rows)
+    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1): every row sees itself
     attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
     pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
     rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
@@ -547,7 +587,8 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups sampled here
+        kept = balance_groups(kept)
+        mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups trained here
         batch = pack_groups([kept[j] for j in mine], model.device)
         N = cfg.n_rollouts
         batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * N + torch.arange(N)).flatten()  # (r,)
@@ -647,16 +688,22 @@ def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
 
 
 def plan_only(cfg: Config) -> list:
-    """--plan: the memory plan from the model's config and tokenizer, loading no weights."""
+    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
+    device, then per rank of 8 (torchrun)."""
     from transformers import AutoConfig
     name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     train_set = load_data(cfg, "--task", cfg.task, "train")
+    name, revision = split_revision(name)
     try:
-        model_config, tok = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        model_config = AutoConfig.from_pretrained(name, revision=revision)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    planner.plan_memory(cfg, model_config, tok, train_set, device)
+    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True)
+    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
+        print()
+        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True)
     return []
 
 
@@ -717,7 +764,7 @@ def train(cfg: Config) -> list:
         f"verifier {cfg.verifier}; run dir {out}")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
-    model, replica = distributed.shard(model)
+    model, replica = distributed.shard(model, dtype)
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)

@@ -9,11 +9,21 @@ What is split and what is gathered (brorl.py calls these at each point):
   - rollouts: each round's prompts are chosen identically on every rank, and each rank samples and
     scores its share() of them; the rewards of all prompts are gather()ed, so that every rank takes
     the same dynamic-sampling decisions and computes the same advantages. Each prompt's rollouts
-    come from its own seed, so they do not depend on which rank drew them.
+    come from its own seed, so they do not depend on which rank drew them. The kept groups are then
+    move()d so that each rank trains an even share() of them, whichever ranks' prompts survived.
   - the update: FSDP2 shards the parameters, gradients and AdamW state across ranks (shard()). Each
-    rank computes the loss of the kept rows it sampled, weighted by the mini-batch's normaliser
+    rank computes the loss of the kept rows it holds, weighted by the mini-batch's normaliser
     summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
-    default), so that the gradient is one process's up to float rounding.
+    default), so that the gradient is one process's up to float rounding. With a bf16 compute dtype
+    FSDP all-gathers bf16 copies of the parameters (half the traffic and the gathered bytes) and
+    reduces the gradients in fp32 into the fp32 shards AdamW steps (MixedPrecisionPolicy).
+  - log-probs without logits: brorl's log-prob pass calls the decoder for hidden states and applies
+    the head's weight itself (kernels.linear_logprobs: never the (rows, T, V) logits). Under FSDP the
+    decoder layers gather their own shards, but the root's parameters (embeddings, final norm, head:
+    one unit, the head tied to the embeddings or not) are gathered only in the root's forward. So
+    the whole pass runs as a forward of the root (in_forward(): FSDP's register_fsdp_forward_method):
+    the root's parameters are whole for all of it, the head's weight included, and their gradients
+    are reduce-scattered after the backward exactly as after model(...).
   - full weights: rollouts, evaluation and checkpoints use a full replica of the policy, refreshed
     from the shards once per step (refresh()); the reference policy (--kl_coef) is a full frozen copy.
   - output: rank 0 alone prints and writes (is_main()); the checkpoint's AdamW state is gathered
@@ -29,7 +39,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 
@@ -70,10 +80,32 @@ def teardown():
 # The reductions the algorithm needs. Tensors are moved to the CPU: they are a few numbers.
 
 
-def share(n: int) -> range:
-    """This rank's contiguous share of n items (sizes differ by at most one; empty if n < K)."""
-    K, r = world_size(), rank()
+def share(n: int, r: int | None = None) -> range:
+    """This rank's (or rank r's) contiguous share of n items (sizes differ by at most one; empty if n < K)."""
+    K, r = world_size(), rank() if r is None else r
     return range(r * n // K, (r + 1) * n // K)
+
+
+def move(items: list, owner: list) -> list:
+    """items[j], held by rank owner[j] (None on the others), moved to the rank whose share() of the
+    len(items) holds j: returns this rank's list, items[j] for j in share(len(items)), None elsewhere.
+    Only the items whose owner is not their destination travel, one send and one receive each, in the
+    order of j on every rank (no cycle of waits). K = 1: items."""
+    if not dist.is_initialized():
+        return items
+    n, r = len(items), rank()
+    dest = [k for k in range(world_size()) for _ in share(n, k)]  # (n,) the rank each item goes to
+    out = [items[j] if dest[j] == r else None for j in range(n)]
+    for j in range(n):
+        if owner[j] == dest[j]:
+            continue
+        if r == owner[j]:
+            dist.send_object_list([items[j]], dst=dest[j])
+        elif r == dest[j]:
+            box = [None]
+            dist.recv_object_list(box, src=owner[j])
+            out[j] = box[0]
+    return out
 
 
 def gather(x: torch.Tensor) -> torch.Tensor:
@@ -118,23 +150,35 @@ def full(x: torch.Tensor) -> torch.Tensor:
 # FSDP2: sharded parameters, gradients and AdamW state; a full replica for everything but the update
 
 
-def shard(model):
+def shard(model, dtype=torch.float32):
     """(model, replica). K = 1: the model itself twice. K > 1: a full replica of the model is kept
     (rollouts, evaluation, checkpoints), then the model is sharded with FSDP2, each decoder layer a
-    unit (Hugging Face names its classes in _no_split_modules) and the root holding the rest."""
+    unit (Hugging Face names its classes in _no_split_modules) and the root holding the rest. dtype:
+    the compute dtype; bf16 gathers bf16 parameters and reduces fp32 gradients (the shards, AdamW's
+    master weights, stay fp32). Inputs are not cast: the residual stream stays fp32, as under autocast."""
     if world_size() == 1:
         return model, model
     replica = copy.deepcopy(model)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for m in model.modules():
         if type(m).__name__ in layers:
-            fully_shard(m)
-    fully_shard(model)
+            fully_shard(m, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):  # SUM the gradients over ranks: each rank's loss is already
             m.set_gradient_divide_factor(1.0)  # weighted by the global normaliser (the default averages)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    model.run_forward = lambda fn: fn()  # in_forward's entry: FSDP's pre/post-forward hooks around fn
+    register_fsdp_forward_method(model, "run_forward")
     return model, replica
+
+
+def in_forward(model, fn):
+    """fn() (which calls parts of `model`) run as one forward of the model: under FSDP, the root's
+    parameters are gathered before it and its gradients reduced after the backward, as for model(...).
+    K = 1: fn()."""
+    return model.run_forward(fn) if isinstance(model, FSDPModule) else fn()
 
 
 @torch.no_grad()

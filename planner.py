@@ -127,7 +127,7 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    R = B * N  # rows trained per step (K > 1: a rank holds the kept groups it sampled, at most all of them)
+    R = math.ceil(B / K) * N  # rows a rank trains per step: its even share of the kept groups (brorl.balance_groups)
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
@@ -136,26 +136,32 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     else:
         acts = L * tokens * per_layer
     root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H  # embeddings, LM head, final norm
-    fsdp = [("FSDP: gathered root and 2 layers, a layer's full gradient", 4 * (root + 3 * (total - root) / L))] * (K > 1)
+    # FSDP gathers parameters in the compute dtype (distributed.shard); a layer's full gradient is in
+    # that dtype too, cast to fp32 for the reduction when it is bf16
+    layer = (total - root) / L
+    fsdp = [("FSDP: gathered root and 2 layers, a layer's full gradient", c * root + (3 * c + 4 * (c == 2)) * layer)] * (K > 1)
     update = [*state[:2], (f"gradients (fp32{shard})", 4 * total / K), *fsdp, *state[2:],
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
               (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
               ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
-              ("logits and their gradient", logits_bytes(r * T, V, H, c)),
+              ("logits and their gradient" + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
+               logits_bytes(r * T, V, H, c, policy.plain_logits(mc))),
               ("AdamW step's temporaries (foreach: sqrt of v)", 4 * total)]  # not alive with the above: a margin
     return {"rollout": rollout, "update": update}
 
 
-def logits_bytes(rows: int, V: int, H: int, c: int) -> int:
+def logits_bytes(rows: int, V: int, H: int, c: int, plain: bool = True) -> int:
     """The update's logits and their gradient. With kernels.linear_logprobs (brorl.py's path for a
     plain linear head) one chunk of positions at a time: the chunk's logits, the softmax or gradient
     made from them and an fp32 copy (~3 x LINEAR_CHUNK_BYTES). Without it, the whole (rows, V)
     logits of the response pass, their concatenation and their gradient in c bytes, and the
     reference's fp32 chunks (2^22 elements). Either way the (V, H) gradients of the LM head and the
-    embedding before they are accumulated (under autocast the head's is bf16, then cast to fp32)."""
+    embedding before they are accumulated (under autocast the head's is bf16, then cast to fp32).
+    plain: the config puts nothing after hidden @ W.T (policy.plain_head), on one process or K (the
+    log-prob pass runs inside the sharded model's forward: distributed.in_forward)."""
     heads = V * H * (4 + 4 + (2 if c == 2 else 0))
     chunk_bytes = getattr(kernels, "LINEAR_CHUNK_BYTES", None)
-    if chunk_bytes is not None:
+    if chunk_bytes is not None and plain:
         return 3 * min(rows * V * 4, chunk_bytes) + heads
     return rows * V * 3 * c + 4 * 4 * min(rows * V, 2**22) + heads
 
@@ -176,12 +182,7 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
     over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
     gib = lambda x: f"{x / GB:.1f} GB"
-    # rows: whole groups (multiples of N) down to one group, then powers of two below N
-    N = cfg.n_rollouts
-    options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)),
-                      *(2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))}, reverse=True)
-    options = [x for x in options if x <= cfg.max_rows]
-    rows = next((x for x in options if not over(dataclasses.replace(cfg, max_rows=x), "rollout")), None)
+    rows = fit_rows(mc, cfg, prompt_tokens, memory_bytes, world_size)
     if rows is None:
         one = peaks(plan_k(dataclasses.replace(cfg, max_rows=1)))["rollout"]
         return (f"--memory_gb {memory_bytes / GB:.1f}: even one rollout row needs {gib(one)} "
@@ -195,6 +196,16 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
         return (f"--memory_gb {memory_bytes / GB:.1f}: the update of one row needs {gib(need)} "
                 f"(try {hint}a lower --max_new_tokens, --kl_coef 0, or a smaller --model)")
     return rows, mb
+
+
+def fit_rows(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
+    """The largest max_rows not above cfg's whose rollout fits memory_bytes, or None: whole groups
+    (multiples of N) down to one group, then powers of two below N."""
+    N = cfg.n_rollouts
+    options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)),
+                      *(2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))}, reverse=True)
+    return next((x for x in options if x <= cfg.max_rows and peaks(plan(
+        mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens, world_size))["rollout"] <= memory_bytes), None)
 
 
 def default_memory_bytes(device) -> float:
@@ -225,8 +236,9 @@ OP_S = 5e-6  # seconds per eager kernel launch on the decode path (assumed)
 OPS_PER_LAYER = 60  # eager ops per decoder layer per decode step (cascade attention, rotary, norms, MLP)
 
 
-def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5) -> dict:
-    """Rough seconds per step: every response at full length, `keep` of the groups surviving
+def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5, world_size: int = 1) -> dict:
+    """Rough seconds per step on `world_size` GPUs, each doing 1/K of the work (no communication
+    counted): every response at full length, `keep` of the groups surviving
     dynamic sampling. A decode step costs its matmul FLOPs or its bytes (bf16 weights, the KV cache
     read, the (rows, V) sampling buffers), whichever is slower, plus its kernel launches; the update
     costs 2 FLOPs per Linear weight per token for each forward (old log-probs, policy, the
@@ -239,9 +251,9 @@ def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5) -> di
     flop_s = gpu["flops"] * MFU
     bytes_step = 2 * linear + rows * (P + T / 2) * L * nkv * hd * 4 + rows * V * sampling_bytes_per_row(1, 2, 1.0)
     per_token = max(2 * linear * rows / flop_s, bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
-    rollout = chunks * T * per_token
+    rollout = chunks * T * per_token / world_size
     forwards = 1 + (cfg.old_logp != "sampler") + cfg.grad_ckpt + (cfg.kl_coef > 0)
-    update = B * N * (P / N + T) * 2 * linear * (forwards + 2) / flop_s
+    update = B * N * (P / N + T) * 2 * linear * (forwards + 2) / flop_s / world_size
     return {"rollout": rollout, "update": update, "step": rollout + update}
 
 
@@ -294,24 +306,29 @@ def measure_peak(fn, existing=lambda: ()):
 # A run's plan: printed before its first step, its max_rows and micro_batch fitted
 
 
-def plan_memory(cfg, model_config, tok, train_set, device):
+def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False):
     """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
-    --memory_gb; stop with one line naming what to lower when even one row does not fit."""
+    --memory_gb; stop with one line naming what to lower when even one row does not fit (report_only,
+    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this run's)."""
     sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
     prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
     memory = cfg.memory_gb * GB or default_memory_bytes(device)
-    K = distributed.world_size()  # the figures are one rank's
+    K = world_size or distributed.world_size()  # the figures are one rank's
     say = print if distributed.is_main() else (lambda line: None)
     fitted = fit(model_config, cfg, prompt_tokens, memory, K)
-    if isinstance(fitted, str):
+    if isinstance(fitted, str) and not report_only:
         fail(fitted)
+    if isinstance(fitted, str):  # the plan of one row a micro-batch, as many rows decoded as fit
+        say(f"does not fit on {K} device(s): {fitted}")
+        fitted = (fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
     if fitted != (cfg.max_rows, cfg.micro_batch):
         say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
             f"to fit {memory / GB:.1f} GB")
         cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
     say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, {policy.compute_dtype(cfg, device)}):")
     say(format_plan(plan(model_config, cfg, prompt_tokens, K), memory))
-    t = step_seconds(model_config, cfg, prompt_tokens)
-    say(f"time per step on {H100['name']} (roofline estimate, step_seconds; not measured): "
+    t = step_seconds(model_config, cfg, prompt_tokens, world_size=K)
+    gpus = H100["name"] if K == 1 else f"{K} x {H100['name']}, ideal scaling"
+    say(f"time per step on {gpus} (roofline estimate, step_seconds; not measured): "
         f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
     return cfg

@@ -8,7 +8,6 @@ that stays right when activation checkpointing replays a layer (ReplayCache), an
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import sampler  # noqa: F401  (importing it registers attn_implementation="brorl")
@@ -20,17 +19,27 @@ def load_policy(name: str, device, flag="--model"):
     line if that is impossible."""
     if (Path(name) / "ckpt" / "config.json").is_file():
         name = str(Path(name) / "ckpt")
+    name, revision = split_revision(name)
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="brorl")
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
+                                                     attn_implementation="brorl")
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model.to(device), tok
+
+
+def split_revision(name: str) -> tuple:
+    """--model org/name@revision -> (org/name, revision); no @ (or a local path that has one): revision None."""
+    if "@" not in name or Path(name).expanduser().exists():
+        return name, None
+    name, revision = name.rsplit("@", 1)
+    return name, revision
 
 
 def compute_dtype(cfg, device) -> torch.dtype:
@@ -57,14 +66,17 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", 
 
 def plain_head(model):
     """The output embedding's weight (V, H) when logits = hidden @ weight.T exactly (a bias-free
-    linear head, no transform in the config), so log-probs can skip the logits; else None."""
-    if isinstance(model, FSDPModule):  # sharded (K > 1): the decoder alone would skip the root's all-gather
-        return None
-    head, cfg = model.get_output_embeddings(), model.config
-    transforms = [k for k in LOGIT_TRANSFORMS if getattr(cfg, k, None) not in (None, 1, 1.0)]
-    if type(head) is not torch.nn.Linear or head.bias is not None or transforms:
+    linear head, no transform in the config), so log-probs can skip the logits; else None. Sharded
+    (K > 1), the weight is whole only inside the root's forward (distributed.in_forward): call it there."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or not plain_logits(model.config):
         return None
     return head.weight
+
+
+def plain_logits(model_config) -> bool:
+    """Whether the config applies nothing to hidden @ W.T (the planner's test of the path that runs)."""
+    return not [k for k in LOGIT_TRANSFORMS if getattr(model_config, k, None) not in (None, 1, 1.0)]
 
 
 class ReplayCache(DynamicCache):

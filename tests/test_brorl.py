@@ -124,6 +124,45 @@ def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
     assert (logp[batch["resp_mask"]] < 0).all() and (logp[~batch["resp_mask"]] == 0).all()
 
 
+def test_every_attention_row_has_a_key(random_lm):
+    """No query row of any mask the sampler (prefill, decode) or the update builds allows no key: CUDA
+    SDPA kernels have returned NaN for such rows (a CPU returns 0). Prompts of unequal lengths, so
+    that the update's prompt pass is left-padded. Every call's mask is captured at the attention."""
+    from transformers import AttentionInterface
+    model, tok = random_lm
+    seen = []
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask, key.shape[-2]))
+        return sampler.cascade_attention(module, query, key, value, attention_mask, **kw)
+    AttentionInterface.register("brorl", capture)
+    try:
+        ro = brorl.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
+        n_sampler = len(seen)
+        batch = brorl.pack_groups([(ro, g, None) for g in range(len(PROMPTS))])
+        assert not batch["prompt_mask"].all()  # left-padding is there
+        logp = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        logp.sum().backward()
+    finally:
+        AttentionInterface.register("brorl", sampler.cascade_attention)
+    assert 0 < n_sampler < len(seen)
+    kinds = set()
+    for mask, n_keys in seen:
+        if isinstance(mask, sampler.SharedPrefixCache):  # decode: the prompt's keys, then the row's own
+            assert n_keys >= 1  # the row's own current token: never masked
+            kinds.add("decode")
+        elif mask is None:  # plain causal (a prompt alone): every row sees itself
+            kinds.add("causal")
+        else:
+            mask = mask[..., :n_keys]  # (b, 1, q, k), as SDPA slices it
+            allowed = mask if mask.dtype == torch.bool else mask > -math.inf
+            assert allowed.any(-1).all(), "a query row with no allowed key"
+            kinds.add("mask")
+    assert kinds == {"decode", "causal", "mask"}
+    assert torch.isfinite(logp).all() and model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
 def test_top_p_samples_only_from_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
     u = torch.rand(len(logits), generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # (R,)
@@ -138,15 +177,31 @@ def test_top_p_samples_only_from_the_nucleus():
 
 
 @pytest.mark.parametrize("norm", ["batch", "response", "group"])
-def test_all_equal_groups_get_exactly_zero_advantage(norm):
+def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
+    """With --dynamic_sampling 0 a group with no signal stays in the batch: centred to 0, then whitened
+    with the rest (verl's REINFORCE++-baseline), so it gets -mean/std, one value for all its rows;
+    under group (GRPO) 0 / (0 + 1e-6) = 0."""
     g = torch.Generator().manual_seed(0)
     r = (torch.rand(6, 16, generator=g) < 0.4).float()
     r[1], r[4] = 1.0, 0.0  # an all-right and an all-wrong group
-    lengths = torch.randint(1, 50, (6, 16), generator=g)  # (G, N) valid tokens per response
+    # right answers short, wrong ones long: the token mean of the centred values is negative
+    lengths = torch.where(r > 0, torch.randint(5, 20, r.shape, generator=g), torch.randint(30, 50, r.shape, generator=g))
     adv = brorl.compute_advantages(r, norm, lengths)
     assert torch.isfinite(adv).all()
-    assert (adv[1] == 0).all() and (adv[4] == 0).all()
     assert (adv[0] != 0).any()
+    if norm == "group":
+        assert (adv[1] == 0).all() and (adv[4] == 0).all()
+    else:
+        w = (lengths if norm == "batch" else torch.ones_like(r)).double()  # each response's weight
+        x = (r - r.mean(1, keepdim=True)).double()  # (G, N) centred
+        mean = (w * x).sum() / w.sum()
+        std = (((w * (x - mean) ** 2).sum() / (w.sum() - 1)) + 1e-8).sqrt()  # unbiased, as verl
+        for i in (1, 4):
+            torch.testing.assert_close(adv[i], torch.full((16,), (-mean / std).item()), rtol=1e-5, atol=1e-6)
+        if norm == "batch":  # over tokens the centred mean is not 0 (per response it is: adv 0 there)
+            assert adv[1, 0] > 0.1
+            # the zero token-sum holds with the no-signal groups in it
+            assert abs((adv.double() * lengths).sum() / lengths.sum()) < 1e-6
     only_equal = brorl.compute_advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
     assert torch.equal(only_equal, torch.zeros(3, 4))
 

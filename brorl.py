@@ -114,7 +114,8 @@ class Config:
     # advantages
     # r - mean_group(r), then whitened (compute_advantages); verl's REINFORCE++-baseline, which ProRL v2 and BroRL
     # run, whitens over tokens
-    adv_norm: str = "batch"  # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO
+    # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO; none: Dr. GRPO
+    adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
     # policy update
     lr: float = 2e-4  # AdamW, constant (paper: 2e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
@@ -124,13 +125,20 @@ class Config:
     # The old policy's log-probs: the sampler's own (same weights: in fp32 they agree with a trainer forward up
     # to rounding; saves a forward over every row) or a trainer forward (the paper's setup, needed in bf16)
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
+    # the objective: PPO-clip per token (the paper's), GSPO (one clipped ratio per sequence), CISPO (a clipped,
+    # detached weight on every token's REINFORCE gradient); Dr. GRPO is ppo + --adv_norm none --loss_agg constant
+    loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv 2507.18071: 3e-4)
+    gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
     clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)
-    clip_ratio_c: float = 3.0  # dual-clip (verl): a negative-advantage token's loss is at most -c*A; need c > 1
+    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4); CISPO's eps_high on its weight
+    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at most -c*A; need c > 1
     # truncated importance sampling corrects for the sampler's numerics differing from the trainer's; its weight
     # is exactly 1 when the old log-probs ARE the sampler's (--old_logp sampler)
     tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
-    loss_agg: str = "token"  # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean
+    # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows (GSPO's);
+    # constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no response changes (Dr. GRPO)
+    loss_agg: str = "token"  # token, sequence or constant
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
@@ -194,11 +202,14 @@ def check_config(cfg: Config) -> str:
         # policy gradient through the nucleus's cut); the loss uses the full softmax's: refuse, do not bias
         (cfg.top_p == 1, f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
                          "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
-        (cfg.adv_norm in ("batch", "response", "group"), f"--adv_norm {cfg.adv_norm!r}: choose batch, response or group"),
+        (cfg.adv_norm in ("batch", "response", "group", "none"),
+         f"--adv_norm {cfg.adv_norm!r}: choose batch, response, group or none"),
+        (cfg.loss in ("ppo", "gspo", "cispo"), f"--loss {cfg.loss!r}: choose ppo, gspo or cispo"),
+        (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0, "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
         (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
         (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
         (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
-        (cfg.loss_agg in ("token", "sequence"), f"--loss_agg {cfg.loss_agg!r}: choose token or sequence"),
+        (cfg.loss_agg in ("token", "sequence", "constant"), f"--loss_agg {cfg.loss_agg!r}: choose token, sequence or constant"),
         (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
         (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
         (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
@@ -335,12 +346,16 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 differ in length. Mean and unbiased variance over tokens, as verl; eps 1e-8 inside the sqrt.
       response: the same over responses (one vote each; ProRL v2's formula read per sequence).
       group:    GRPO: / (std_group + 1e-6).
+      none:     nothing more (Dr. GRPO, arXiv 2503.20783: the std division up-weights near-solved and
+                near-hopeless prompts, a difficulty bias).
     A group whose rewards are all equal gets exactly 0: it carries no signal, and the batch-mean
     subtraction must not leak rounding noise into it."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
     informative = (rewards.max(1).values > rewards.min(1).values)[:, None]  # (G, 1)
     if norm == "group":
         adv = centred / (rewards.std(1, keepdim=True) + 1e-6)
+    elif norm == "none":
+        adv = centred
     else:
         if norm == "batch" and lengths is None:
             raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
@@ -408,16 +423,21 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
     return tuple(pad(x) for x in out) if with_entropy else pad(out)
 
 
-def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None) -> torch.Tensor:
     """Per-token weights (r, T) of a mini-batch, fixed BEFORE micro-batching so that any micro-batch
     size gives the same gradient. token: 1 / (valid tokens in the mini-batch) (DAPO, ProRL v2);
-    sequence: 1 / (row length * rows), the older per-sequence mean. With K processes `mask` is this
-    rank's rows of the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
+    sequence: 1 / (row length * rows), the older per-sequence mean (GSPO's); constant: 1 / (max_len *
+    rows), Dr. GRPO's (arXiv 2503.20783) constant normaliser, the generation budget, so that no
+    response's length scales its own tokens' gradient. With K processes `mask` is this rank's rows of
+    the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
     m = mask.float()
     n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=m.dtype, device=m.device)
+    n_rows = m.shape[0] if n_rows is None else n_rows
     if agg == "token":
         return m / n_tokens.clamp(min=1)
-    return m / m.sum(1, keepdim=True).clamp(min=1) / (m.shape[0] if n_rows is None else n_rows)
+    if agg == "constant":
+        return m / (max_len * n_rows)
+    return m / m.sum(1, keepdim=True).clamp(min=1) / n_rows
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
@@ -428,6 +448,47 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
     a = adv[:, None]  # (r, 1)
     loss = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T)
     return torch.where(a < 0, torch.min(loss, -clip_ratio_c * a), loss), ratio
+
+
+def gspo_token_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (arXiv 2507.18071), per token (r, T). Where PPO has a ratio per token, GSPO has one per
+    sequence, s = exp(mean over its tokens of logp - logp_old) (the geometric mean of its token ratios:
+    length-normalised, so it stays near 1), clipped per sequence, [1 - 3e-4, 1 + 4e-4] in the paper:
+    a clipped sequence gives no gradient at all. Returned in the paper's GSPO-token form, ratio_t =
+    sg(s) * exp(logp_t - sg(logp_t)): each token's value is its sequence's, and the per-row mean
+    (--loss_agg sequence, the paper's) gives exactly the gradient of -min(s A, clip(s) A) per sequence."""
+    n = mask.sum(1).clamp(min=1)  # (r,) valid tokens per row
+    log_s = ((logp - old_logp) * mask).sum(1) / n  # (r,) log of the sequence ratio
+    ratio = torch.exp((logp - logp.detach() + log_s.detach()[:, None]).clamp(-20, 20))  # (r, T), value s
+    a = adv[:, None]  # (r, 1)
+    return torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a), ratio  # (r, T)
+
+
+def cispo_token_loss(logp, old_logp, adv, clip_high=0.28):
+    """CISPO (MiniMax-M1, arXiv 2506.13585), per token (r, T): -sg(min(ratio, 1 + eps_high)) * A * logp.
+    Where PPO drops a token whose ratio left the trust region (zero gradient), CISPO keeps every token's
+    REINFORCE gradient and clips only its importance weight, detached. The paper sets no lower bound and
+    tunes eps_high without publishing it: here --clip_high (0.28), verl's clip_ratio_high."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
+    return -ratio.clamp(max=1 + clip_high).detach() * adv[:, None] * logp, ratio
+
+
+def policy_token_loss(logp, old_logp, adv, mask, cfg):
+    """--loss: the policy loss per token (r, T), the ratio, and where the clip binds (r, T) (PPO, GSPO:
+    the gradient is zero there; CISPO: the weight is truncated, the gradient kept). Dual-clip is PPO's
+    alone, as in verl: GSPO's and CISPO's bounds already cap a negative-advantage token's loss."""
+    a = adv[:, None]  # (r, 1)
+    if cfg.loss == "cispo":
+        loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
+        return loss, ratio, ratio > 1 + cfg.clip_high
+    if cfg.loss == "gspo":
+        lo, hi = cfg.gspo_clip_low, cfg.gspo_clip_high
+        loss, ratio = gspo_token_loss(logp, old_logp, adv, mask, lo, hi)
+    else:
+        lo, hi = cfg.clip_low, cfg.clip_high
+        loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
+    clipped = ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
+    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))  # dual-clip
 
 
 def tis_weight(old_logp, sampler_logp, cap):
@@ -493,25 +554,20 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     for k, mb in enumerate(minibatches):
         mine = local[mb][local[mb] >= 0].to(dev)  # this rank's rows of the mini-batch, in its order
         mask_mb = batch["resp_mask"][mine]
-        w = loss_weights(mask_mb, cfg.loss_agg, distributed.all_sum(mask_mb.sum()), len(mb))  # (r, T)
+        w = loss_weights(mask_mb, cfg.loss_agg, distributed.all_sum(mask_mb.sum()), len(mb), cfg.max_new_tokens)  # (r, T)
         opt.zero_grad(set_to_none=True)
         for j, rows in enumerate(micro_batches(mine, cfg.micro_batch)):
             wr = w[j * cfg.micro_batch: j * cfg.micro_batch + len(rows)]
             mask = batch["resp_mask"][rows]
             with autocast(cfg, adv.device):  # a fresh region per forward: it sees the last opt.step()
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
-            tok_loss, ratio = ppo_token_loss(logp, old_logp[rows], adv[rows], cfg.clip_low, cfg.clip_high,
-                                             cfg.clip_ratio_c)
+            tok_loss, ratio, clipped = policy_token_loss(logp, old_logp[rows], adv[rows], mask, cfg)
             tok_loss = tok_loss * tis[rows]  # TIS on the policy loss only, not on the KL (verl)
             if ref_logp is not None:
                 kl = kl_k2(logp, ref_logp[rows])
                 tok_loss = tok_loss + cfg.kl_coef * kl
                 m["kl"] += (kl * mask).sum().item()
             (tok_loss * wr).sum().backward()
-            # diagnostics: clipped = the gradient is zero because the clip is active
-            a = adv[rows][:, None]
-            clipped = ((ratio > 1 + cfg.clip_high) & (a > 0)) | ((ratio < 1 - cfg.clip_low) & (a < 0)) | \
-                      ((ratio > cfg.clip_ratio_c) & (a < 0))  # dual-clip
             m["clip_frac"] += (clipped & mask).sum().item()
             n_tok += mask.sum().item()
             if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)

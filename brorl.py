@@ -110,6 +110,9 @@ class Config:
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
+    # breadth in sampling without breadth in the update (PODS, arXiv 2504.13818): each kept group trains on the
+    # m of its N rollouts whose rewards vary most, its advantages taken over those m
+    train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
     max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
     # advantages
     # r - mean_group(r), then whitened (compute_advantages); verl's REINFORCE++-baseline, which ProRL v2 and BroRL
@@ -196,6 +199,8 @@ def check_config(cfg: Config) -> str:
     checks = [
         (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
+        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts,
+         f"--train_rollouts {cfg.train_rollouts}: need 2 <= m <= N = {cfg.n_rollouts} (0: all N)"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
         # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a
@@ -302,12 +307,14 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     return kept, stats
 
 
-def pack_groups(kept, dev=None) -> dict:
+def pack_groups(kept, dev=None, keep=None) -> dict:
     """Kept groups -> one training batch on `dev` (default: where the rollouts are): G prompts,
-    left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`).
-    `row` and `n_rows` place the rows among all ranks' (rl_step sets them when K > 1). G = 0 gives an
-    empty batch on `dev`."""
-    G, n, dev = len(kept), (kept[0][0].n if kept else 1), (dev or kept[0][0].tokens.device)
+    left-padded to P, and R = G*n responses, right-padded to T, each row pointing at its prompt (`group`).
+    keep (G, n): which of each group's N rollouts (default: all, n = N). `row` and `n_rows` place the
+    rows among all ranks' (rl_step sets them when K > 1). G = 0 gives an empty batch on `dev`."""
+    G, N, dev = len(kept), (kept[0][0].n if kept else 1), (dev or kept[0][0].tokens.device)
+    keep = torch.arange(N).expand(G, N) if keep is None else keep  # (G, n)
+    n = keep.shape[1]
     P = max((len(ro.prompt_ids[g]) for ro, g, _ in kept), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
     prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
@@ -315,7 +322,7 @@ def pack_groups(kept, dev=None) -> dict:
         ids = ro.prompt_ids[g]
         prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
     empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
-    cat = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept]
+    cat = lambda field: torch.cat([getattr(ro, field)[g * N + keep[i]] for i, (ro, g, _) in enumerate(kept)]
                                   or [torch.zeros(0, 1, dtype=empty[field])])  # (R, T_max)
     mask = cat("mask")
     # drop all-padding columns, but keep at least 2: response_logprobs always makes its two model calls
@@ -331,6 +338,18 @@ def pack_groups(kept, dev=None) -> dict:
 IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
                   resp=torch.zeros(1, 2, dtype=torch.long), resp_mask=torch.zeros(1, 2, dtype=torch.bool),
                   group=torch.zeros(1, dtype=torch.long))
+
+
+def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
+    """PODS's max-variance down-sampling (arXiv 2504.13818): rewards (G, N) -> indices (G, m), ascending,
+    of the m rollouts of each group whose rewards have the largest variance. The maximiser is always the
+    i highest and the m - i lowest rewards for some i (PODS, Lemma 3.1): try all m + 1. With binary
+    rewards it is the balanced set, as many right as wrong as the group allows. m = N keeps all, in order."""
+    G, N = rewards.shape
+    order = rewards.argsort(dim=1, descending=True, stable=True)  # (G, N)
+    cands = torch.stack([torch.cat([order[:, :i], order[:, N - (m - i):]], 1) for i in range(m + 1)])  # (m+1, G, m)
+    best = rewards[torch.arange(G)[:, None], cands].var(2, unbiased=False).argmax(0)  # (G,) first of the best
+    return cands[best, torch.arange(G)].sort(1).values  # (G, m)
 
 
 # ----------------------------------------------------------------------------
@@ -604,18 +623,22 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
         mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups sampled here
-        batch = pack_groups([kept[j] for j in mine], model.device)
-        N = cfg.n_rollouts
-        batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * N + torch.arange(N)).flatten()  # (r,)
-        batch["n_rows"] = len(kept) * N  # R, over all ranks
-        rewards = torch.stack([r for _, _, r in kept])  # (G, N), every rank has all
-        lengths = torch.zeros(rewards.shape, dtype=torch.float64)  # (G, N) valid tokens per response:
-        lengths[mine] = batch["resp_mask"].sum(1).view(len(mine), N).double().cpu()  # this rank's groups,
+        all_rewards = torch.stack([r for _, _, r in kept])  # (G, N), every rank has all
+        # --train_rollouts m: the update's rows; advantages over the m kept (PODS): they sum to 0 over the rows
+        # trained on, and m = N is the run without it exactly
+        keep = max_variance_subset(all_rewards, cfg.train_rollouts or cfg.n_rollouts)  # (G, m)
+        rewards, n = all_rewards.gather(1, keep), keep.shape[1]  # (G, m)
+        batch = pack_groups([kept[j] for j in mine], model.device, keep[mine])
+        batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * n + torch.arange(n)).flatten()  # (r,)
+        batch["n_rows"] = len(kept) * n  # R, over all ranks
+        lengths = torch.zeros(rewards.shape, dtype=torch.float64)  # (G, m) valid tokens per response:
+        lengths[mine] = batch["resp_mask"].sum(1).view(len(mine), n).double().cpu()  # this rank's groups,
         lengths = distributed.all_sum(lengths).float()  # then every rank's
         adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,) all ranks'
         model.train()
         upd = update_policy(model, ref_model, opt, batch, adv[batch["row"]].to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
+        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 

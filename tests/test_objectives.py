@@ -128,3 +128,33 @@ def test_micro_batching_changes_memory_not_the_gradient(tmp_path, loss, agg):
         part, _ = update(mb)
         for a, b in zip(full, part):
             assert (a - b).norm() <= 1e-6 * a.norm() + 1e-12  # as PPO's test: the log-prob kernel sums in its own order
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_max_variance_subset_is_the_max_over_all_subsets(binary):
+    """PODS's rule against brute force over every m-subset of small groups, binary and real rewards."""
+    g = torch.Generator().manual_seed(7 + binary)
+    N = 8
+    r = torch.randint(0, 2, (6, N), generator=g).float() if binary else torch.randn(6, N, generator=g)  # (G, N)
+    for m in (2, 3, 5, N):
+        keep = brorl.max_variance_subset(r, m)  # (G, m)
+        assert keep.shape == (6, m) and (keep.diff(1) > 0).all()  # distinct, ascending
+        for i in range(6):
+            best = max(r[i, list(c)].var(unbiased=False).item() for c in itertools.combinations(range(N), m))
+            assert r[i, keep[i]].var(unbiased=False).item() == pytest.approx(best, abs=1e-6)
+    assert torch.equal(brorl.max_variance_subset(r, N), torch.arange(N).expand(6, N))  # m = N: all, in order
+
+
+def test_pack_groups_keeps_the_chosen_rows(tmp_path):
+    """--train_rollouts: the batch holds exactly the chosen rollouts of each group, in order; keep = all
+    rollouts gives the batch of a run without it."""
+    ro = brorl.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
+                        logp=-torch.rand(6, 2), entropy=torch.rand(6, 2), truncated=torch.zeros(6, dtype=torch.bool),
+                        texts=[""] * 6, n=3)
+    kept = [(ro, 0, None), (ro, 1, None)]
+    full = brorl.pack_groups(kept)
+    sub = brorl.pack_groups(kept, keep=torch.tensor([[0, 2], [1, 2]]))
+    assert torch.equal(sub["resp"], ro.tokens[[0, 2, 4, 5]]) and torch.equal(sub["sampler_logp"], ro.logp[[0, 2, 4, 5]])
+    assert sub["group"].tolist() == [0, 0, 1, 1]
+    same = brorl.pack_groups(kept, keep=torch.arange(3).expand(2, 3))
+    assert all(torch.equal(full[k], same[k]) for k in full if torch.is_tensor(full[k]))

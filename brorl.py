@@ -59,7 +59,6 @@ and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
-import copy
 import dataclasses
 import json
 import math
@@ -81,7 +80,8 @@ import distributed
 import harness
 import planner
 import verify
-from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head
+from policy import (ReplayCache, add_lora, as_reference, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy,
+                    make_reference, plain_head, trainable)
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
@@ -124,6 +124,11 @@ class Config:
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
+    # LoRA (peft, needed only then): the optimizer, its state and the checkpoint hold the adapter alone; the KL's
+    # reference shares the frozen base weights (policy.py)
+    lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama attention and MLP
     grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one layer, not all (~1/3 more compute)
     # The old policy's log-probs: the sampler's own (same weights: in fp32 they agree with a trainer forward up
     # to rounding; saves a forward over every row) or a trainer forward (the paper's setup, needed in bf16)
@@ -226,6 +231,8 @@ def check_config(cfg: Config) -> str:
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
+        (cfg.lora_rank == 0 or distributed.world_size() == 1, "--lora_rank: LoRA runs on one process (not under torchrun)"),
         (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
         (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
         # each step's first round asks for at least B prompts: B / K of them, at least, on every rank
@@ -556,8 +563,9 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
             old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
                                                           for rows in chunks]))  # (r, T) each
-        ref_logp = torch.cat([response_logprobs(ref_model, batch, rows, cfg.temperature)
-                              for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
+        with as_reference(ref_model) as ref:  # with LoRA: the policy with the reference's adapter, or none
+            ref_logp = torch.cat([response_logprobs(ref, batch, rows, cfg.temperature)
+                                  for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
     # sampler/trainer drift: how far the policy that drew the tokens is from the old policy of the loss.
     # 0 by construction when the old log-probs are the sampler's (a trainer forward to measure it would
     # cost as much as --old_logp recompute; the first mini-batch's max|ratio-1| below then measures it)
@@ -784,6 +792,8 @@ def train(cfg: Config) -> list:
                                                                      "--resume" if ckpt else "--model")
     main = distributed.is_main()  # rank 0 alone prints and writes
     say = tqdm.write if main else (lambda line: None)
+    if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
@@ -791,7 +801,8 @@ def train(cfg: Config) -> list:
     if main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
-    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}, "
+    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+        f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
         f"verifier {cfg.verifier}; run dir {out}")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
@@ -800,8 +811,8 @@ def train(cfg: Config) -> list:
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)
-        ref_model = copy.deepcopy(replica).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        ref_model = make_reference(replica)  # with LoRA: the shared base weights, the adapter off
+    opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng = random.Random(cfg.seed)
     gen_cpu = torch.Generator().manual_seed(cfg.seed)
     probe = eval_set[: cfg.probe_prompts]

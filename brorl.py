@@ -12,11 +12,15 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
      sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer:
                  metrics.jsonl records groups_kept and sample_rounds).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), then whitened over the batch's valid
-                 response tokens (default, as verl); or over responses; or GRPO's / std_group.
+                 response tokens (default, as verl); or over responses; or GRPO's / std_group; or
+                 nothing more (Dr. GRPO). --train_rollouts m: each group trains on the m of its N
+                 rollouts whose rewards vary most (PODS), its advantages over those m.
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
-                 reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
+                 reference, a fixed number of mini-batch updates, AdamW, gradient clipping. Or
+                 --loss gspo (one clipped ratio per sequence) or cispo (a clipped, detached weight on
+                 every token's gradient); --lora_rank r trains a LoRA adapter alone (policy.py, peft).
                  Every log-prob (old, reference, current) goes through the one log-prob kernel
                  (kernels.linear_logprobs: from hidden states, the logits never whole).
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k,

@@ -142,7 +142,7 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    R = B * N  # rows trained per step (K > 1: a rank holds the kept groups it sampled, at most all of them)
+    R = B * (cfg.train_rollouts or N)  # rows trained per step (K > 1: a rank holds the kept groups it sampled)
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
@@ -258,7 +258,8 @@ def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5) -> di
     per_token = max(2 * linear * rows / flop_s, bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
     rollout = chunks * T * per_token
     forwards = 1 + (cfg.old_logp != "sampler") + cfg.grad_ckpt + (cfg.kl_coef > 0)
-    update = B * N * (P / N + T) * 2 * linear * (forwards + 2) / flop_s
+    m = cfg.train_rollouts or N  # rows trained per group
+    update = B * m * (P / m + T) * 2 * linear * (forwards + 2) / flop_s
     return {"rollout": rollout, "update": update, "step": rollout + update}
 
 

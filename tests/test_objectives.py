@@ -158,3 +158,14 @@ def test_pack_groups_keeps_the_chosen_rows(tmp_path):
     assert sub["group"].tolist() == [0, 0, 1, 1]
     same = brorl.pack_groups(kept, keep=torch.arange(3).expand(2, 3))
     assert all(torch.equal(full[k], same[k]) for k in full if torch.is_tensor(full[k]))
+
+
+def test_planner_counts_the_trained_rows_only():
+    """--train_rollouts m: the update holds G*m rows, not G*N: its (rows, T) tensors shrink by N/m."""
+    import planner
+    from transformers import Qwen2Config
+    mc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300)
+    rows_item = lambda cfg: dict(planner.plan(mc, cfg, 16)["update"])["step's (rows, T) tensors"]
+    full, sub = brorl.Config(n_rollouts=512), brorl.Config(n_rollouts=512, train_rollouts=64)
+    assert rows_item(full) == 8 * rows_item(sub) > 0

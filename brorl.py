@@ -114,10 +114,10 @@ class Config:
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
+    max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
     # breadth in sampling without breadth in the update (PODS, arXiv 2504.13818): each kept group trains on the
     # m of its N rollouts whose rewards vary most, its advantages taken over those m
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
-    max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
     # advantages
     # r - mean_group(r), then whitened (compute_advantages); verl's REINFORCE++-baseline, which ProRL v2 and BroRL
     # run, whitens over tokens

@@ -28,6 +28,8 @@ def test_lora_run_resumes_exactly_and_saves_the_adapter_alone(tmp_path):
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
     assert [strip(r) for r in rows_b] == [strip(r) for r in rows_a] and len(rows_a) == 5
     assert all(r["kl"] > 0 for r in rows_a[2:])  # the reference is not the policy: the KL term is live
+    # the sampler decodes with the adapter: its log-probs are the trainer's (fp32 rounding, as without LoRA)
+    assert all(r["max_ratio_dev"] < 3e-5 for r in rows_a[1:] if r["groups_kept"])
     ckpt = a / "ckpt"
     assert (ckpt / "adapter_config.json").is_file() and not (ckpt / "model.safetensors").exists()  # peft's format
     from safetensors.torch import load_file

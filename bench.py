@@ -20,6 +20,10 @@ Parts:
   gpu      (CUDA) the same three parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
+  lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
+           (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
+           against merged into the weights (peft's merge_adapter), and without an adapter;
+           on CUDA in bf16 if available, else this CPU in fp32.
 
 --tiny runs any part (gpu included, on a CPU when there is no GPU) at toy sizes: a check that
 every part still runs (tests/test_bench.py), not a measurement.
@@ -29,6 +33,7 @@ Commands:
   python bench.py --part sampler --repeats 5
   python bench.py --part gpu               # on a CUDA machine
   python bench.py --part all --tiny        # every CPU part at toy sizes (seconds)
+  python bench.py --part lora              # LoRA decoding, merged or not
   python bench.py --save DIR               # write the bench model, tokenizer, prompts.json
   bash bench_trl.sh                        # TRL GRPOTrainer on the same model, in its own venv
   python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with ours
@@ -298,9 +303,30 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
         print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")
 
 
+def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
+    import policy
+    model, pad = load_model(path, "brorl", device, dtype), AutoTokenizer.from_pretrained(path).pad_token_id
+    ids = random_prompt(prompt, seed=1)
+    plain = statistics.median(dt for dt, _ in interleaved({"x": lambda: run_ours(model, ids, n, new, pad)}, repeats)["x"])
+    model = policy.add_lora(model, 8, 0, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+
+    def merged():
+        model.merge_adapter()
+        try:
+            return run_ours(model, ids, n, new, pad)
+        finally:
+            model.unmerge_adapter()
+
+    times = {k: statistics.median(dt for dt, _ in v) for k, v in interleaved(
+        {"unmerged": lambda: run_ours(model, ids, n, new, pad), "merged": merged}, repeats).items()}
+    print(f"\n== lora: rollout tokens/s, N={n}, prompt {prompt}, new {new}, median of {repeats} ({device}, {dtype}): "
+          f"no adapter {n * new / plain:.0f}, unmerged {n * new / times['unmerged']:.0f}, "
+          f"merged (incl. merge + unmerge) {n * new / times['merged']:.0f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="brorl speed benchmark")
-    ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu"])
+    ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu", "lora"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
@@ -320,7 +346,7 @@ def main(argv=None):
         return step_child(args)
     if args.save:
         return save_bench_model(Path(args.save), "tiny", torch.float32)
-    gpu, size = args.part == "gpu", SIZES["tiny" if args.tiny else "full"]
+    gpu, size = args.part == "gpu" or (args.part == "lora" and torch.cuda.is_available()), SIZES["tiny" if args.tiny else "full"]
     if gpu and not torch.cuda.is_available() and not args.tiny:
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False); --tiny runs its driver on a CPU")
     device = torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
@@ -332,6 +358,8 @@ def main(argv=None):
         path = Path(tmp)
         save_bench_model(path, "0.5b" if gpu and not args.tiny else "tiny", dtype)
         tok = AutoTokenizer.from_pretrained(path)
+        if args.part == "lora":
+            return bench_lora(path, device, dtype, args.repeats)
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok)
         if args.part in ("varlen", "all", "gpu"):

@@ -12,11 +12,15 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
      sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer:
                  metrics.jsonl records groups_kept and sample_rounds).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), then whitened over the batch's valid
-                 response tokens (default, as verl); or over responses; or GRPO's / std_group.
+                 response tokens (default, as verl); or over responses; or GRPO's / std_group; or
+                 nothing more (Dr. GRPO). --train_rollouts m: each group trains on the m of its N
+                 rollouts whose rewards vary most (PODS), its advantages over those m.
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
-                 reference, a fixed number of mini-batch updates, AdamW, gradient clipping.
+                 reference, a fixed number of mini-batch updates, AdamW, gradient clipping. Or
+                 --loss gspo (one clipped ratio per sequence) or cispo (a clipped, detached weight on
+                 every token's gradient); --lora_rank r trains a LoRA adapter alone (policy.py, peft).
                  Every log-prob (old, reference, current) goes through the one log-prob kernel
                  (kernels.linear_logprobs: from hidden states, the logits never whole).
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k,
@@ -59,7 +63,6 @@ and bench.py (speed).
 The paper, restated: docs/paper.md. Every measured figure, with its command: NOTES.md.
 """
 
-import copy
 import dataclasses
 import json
 import math
@@ -81,7 +84,8 @@ import distributed
 import harness
 import planner
 import verify
-from policy import ReplayCache, autocast, compute_dtype, enable_grad_ckpt, load_policy, plain_head, split_revision
+from policy import (ReplayCache, add_lora, as_reference, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy,
+                    make_reference, plain_head, split_revision, trainable)
 from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
@@ -111,26 +115,42 @@ class Config:
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
+    # breadth in sampling without breadth in the update (PODS, arXiv 2504.13818): each kept group trains on the
+    # m of its N rollouts whose rewards vary most, its advantages taken over those m
+    train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
     # advantages
     # r - mean_group(r), then whitened (compute_advantages); verl's REINFORCE++-baseline, which ProRL v2 and BroRL
     # run, whitens over tokens
-    adv_norm: str = "batch"  # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO
+    # batch: over the batch's response tokens (the paper); response: over responses; group: GRPO; none: Dr. GRPO
+    adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
     # policy update
     lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
+    # LoRA (peft, needed only then): the optimizer, its state and the checkpoint hold the adapter alone; the KL's
+    # reference shares the frozen base weights (policy.py)
+    lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama attention and MLP
     grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one layer, not all (~1/3 more compute)
     # The old policy's log-probs: the sampler's own (same weights: in fp32 they agree with a trainer forward up
     # to rounding; saves a forward over every row) or a trainer forward (the paper's setup, needed in bf16)
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
+    # the objective: PPO-clip per token (the paper's), GSPO (one clipped ratio per sequence), CISPO (a clipped,
+    # detached weight on every token's REINFORCE gradient); Dr. GRPO is ppo + --adv_norm none --loss_agg constant
+    loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv 2507.18071: 3e-4)
+    gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
     clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4)
-    clip_ratio_c: float = 3.0  # dual-clip (verl): a negative-advantage token's loss is at most -c*A; need c > 1
+    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4); CISPO's eps_high on its weight
+    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at most -c*A; need c > 1
     # truncated importance sampling corrects for the sampler's numerics differing from the trainer's; its weight
     # is exactly 1 when the old log-probs ARE the sampler's (--old_logp sampler)
     tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
-    loss_agg: str = "token"  # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean
+    # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows (GSPO's);
+    # constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no response changes (Dr. GRPO)
+    loss_agg: str = "token"  # token, sequence or constant
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
@@ -195,17 +215,22 @@ def check_config(cfg: Config) -> str:
     checks = [
         (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
+        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts,
+         f"--train_rollouts {cfg.train_rollouts}: need 2 <= m <= N = {cfg.n_rollouts} (0: all N)"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
         # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a
         # policy gradient through the nucleus's cut); the loss uses the full softmax's: refuse, do not bias
         (cfg.top_p == 1, f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
                          "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
-        (cfg.adv_norm in ("batch", "response", "group"), f"--adv_norm {cfg.adv_norm!r}: choose batch, response or group"),
+        (cfg.adv_norm in ("batch", "response", "group", "none"),
+         f"--adv_norm {cfg.adv_norm!r}: choose batch, response, group or none"),
+        (cfg.loss in ("ppo", "gspo", "cispo"), f"--loss {cfg.loss!r}: choose ppo, gspo or cispo"),
+        (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0, "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
         (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
         (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
         (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
-        (cfg.loss_agg in ("token", "sequence"), f"--loss_agg {cfg.loss_agg!r}: choose token or sequence"),
+        (cfg.loss_agg in ("token", "sequence", "constant"), f"--loss_agg {cfg.loss_agg!r}: choose token, sequence or constant"),
         (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
         (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
         (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
@@ -217,6 +242,8 @@ def check_config(cfg: Config) -> str:
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
+        (cfg.lora_rank == 0 or distributed.world_size() == 1, "--lora_rank: LoRA runs on one process (not under torchrun)"),
         (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
         (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
         # each step's first round asks for at least B prompts: B / K of them, at least, on every rank
@@ -319,12 +346,14 @@ def one_group(ro: Rollouts, g: int) -> Rollouts:
     return dataclasses.replace(ro, **{f.name: pick(f.name, getattr(ro, f.name)) for f in dataclasses.fields(ro)})
 
 
-def pack_groups(kept, dev=None) -> dict:
+def pack_groups(kept, dev=None, keep=None) -> dict:
     """Kept groups -> one training batch on `dev` (default: where the rollouts are): G prompts,
-    left-padded to P, and R = G*N responses, right-padded to T, each row pointing at its prompt (`group`).
-    `row` and `n_rows` place the rows among all ranks' (rl_step sets them when K > 1). G = 0 gives an
-    empty batch on `dev`."""
-    G, n, dev = len(kept), (kept[0][0].n if kept else 1), (dev or kept[0][0].tokens.device)
+    left-padded to P, and R = G*n responses, right-padded to T, each row pointing at its prompt (`group`).
+    keep (G, n): which of each group's N rollouts (default: all, n = N). `row` and `n_rows` place the
+    rows among all ranks' (rl_step sets them when K > 1). G = 0 gives an empty batch on `dev`."""
+    G, N, dev = len(kept), (kept[0][0].n if kept else 1), (dev or kept[0][0].tokens.device)
+    keep = torch.arange(N).expand(G, N) if keep is None else keep  # (G, n)
+    n = keep.shape[1]
     P = max((len(ro.prompt_ids[g]) for ro, g, _ in kept), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
     prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
@@ -332,7 +361,7 @@ def pack_groups(kept, dev=None) -> dict:
         ids = ro.prompt_ids[g]
         prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
     empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
-    cat = lambda field: torch.cat([getattr(ro, field)[g * n: (g + 1) * n] for ro, g, _ in kept]
+    cat = lambda field: torch.cat([getattr(ro, field)[g * N + keep[i]] for i, (ro, g, _) in enumerate(kept)]
                                   or [torch.zeros(0, 1, dtype=empty[field])])  # (R, T_max)
     mask = cat("mask")
     # drop all-padding columns, but keep at least 2: response_logprobs always makes its two model calls
@@ -350,6 +379,18 @@ IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.
                   group=torch.zeros(1, dtype=torch.long))
 
 
+def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
+    """PODS's max-variance down-sampling (arXiv 2504.13818): rewards (G, N) -> indices (G, m), ascending,
+    of the m rollouts of each group whose rewards have the largest variance. The maximiser is always the
+    i highest and the m - i lowest rewards for some i (PODS, Lemma 3.1): try all m + 1. With binary
+    rewards it is the balanced set, as many right as wrong as the group allows. m = N keeps all, in order."""
+    G, N = rewards.shape
+    order = rewards.argsort(dim=1, descending=True, stable=True)  # (G, N)
+    cands = torch.stack([torch.cat([order[:, :i], order[:, N - (m - i):]], 1) for i in range(m + 1)])  # (m+1, G, m)
+    best = rewards[torch.arange(G)[:, None], cands].var(2, unbiased=False).argmax(0)  # (G,) first of the best
+    return cands[best, torch.arange(G)].sort(1).values  # (G, m)
+
+
 # ----------------------------------------------------------------------------
 # Advantages
 
@@ -363,13 +404,17 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 differ in length. Mean and unbiased variance over tokens, as verl; eps 1e-8 inside the sqrt.
       response: the same over responses (one vote each; ProRL v2's formula read per sequence).
       group:    GRPO: / (std_group + 1e-6).
+      none:     nothing more (Dr. GRPO, arXiv 2503.20783: the std division up-weights near-solved and
+                near-hopeless prompts, a difficulty bias).
     A group whose rewards are all equal (only with --dynamic_sampling 0) is centred to 0 and then
     whitened with the rest, as verl does: it gets -mean/std, the same for all its rows (positive when
     right answers are shorter than wrong ones: the token mean of the centred values is then
-    negative). That keeps the batch form's zero token-sum exact; under group it stays 0."""
+    negative). That keeps the batch form's zero token-sum exact; under group and none it stays 0."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
     if norm == "group":
         return centred / (rewards.std(1, keepdim=True) + 1e-6)
+    if norm == "none":
+        return centred
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
@@ -448,16 +493,21 @@ def logprobs_pass(model, batch, rows, temperature, with_entropy):
     return tuple(pad(x) for x in out) if with_entropy else pad(out)
 
 
-def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None) -> torch.Tensor:
+def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None) -> torch.Tensor:
     """Per-token weights (r, T) of a mini-batch, fixed BEFORE micro-batching so that any micro-batch
     size gives the same gradient. token: 1 / (valid tokens in the mini-batch) (DAPO, ProRL v2);
-    sequence: 1 / (row length * rows), the older per-sequence mean. With K processes `mask` is this
-    rank's rows of the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
+    sequence: 1 / (row length * rows), the older per-sequence mean (GSPO's); constant: 1 / (max_len *
+    rows), Dr. GRPO's (arXiv 2503.20783) constant normaliser, the generation budget, so that no
+    response's length scales its own tokens' gradient. With K processes `mask` is this rank's rows of
+    the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
     m = mask.float()
     n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=m.dtype, device=m.device)
+    n_rows = m.shape[0] if n_rows is None else n_rows
     if agg == "token":
         return m / n_tokens.clamp(min=1)
-    return m / m.sum(1, keepdim=True).clamp(min=1) / (m.shape[0] if n_rows is None else n_rows)
+    if agg == "constant":
+        return m / (max_len * n_rows)
+    return m / m.sum(1, keepdim=True).clamp(min=1) / n_rows
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
@@ -468,6 +518,47 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
     a = adv[:, None]  # (r, 1)
     loss = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T)
     return torch.where(a < 0, torch.min(loss, -clip_ratio_c * a), loss), ratio
+
+
+def gspo_token_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
+    """GSPO (arXiv 2507.18071), per token (r, T). Where PPO has a ratio per token, GSPO has one per
+    sequence, s = exp(mean over its tokens of logp - logp_old) (the geometric mean of its token ratios:
+    length-normalised, so it stays near 1), clipped per sequence, [1 - 3e-4, 1 + 4e-4] in the paper:
+    a clipped sequence gives no gradient at all. Returned in the paper's GSPO-token form, ratio_t =
+    sg(s) * exp(logp_t - sg(logp_t)): each token's value is its sequence's, and the per-row mean
+    (--loss_agg sequence, the paper's) gives exactly the gradient of -min(s A, clip(s) A) per sequence."""
+    n = mask.sum(1).clamp(min=1)  # (r,) valid tokens per row
+    log_s = ((logp - old_logp) * mask).sum(1) / n  # (r,) log of the sequence ratio
+    ratio = torch.exp((logp - logp.detach() + log_s.detach()[:, None]).clamp(-20, 20))  # (r, T), value s
+    a = adv[:, None]  # (r, 1)
+    return torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a), ratio  # (r, T)
+
+
+def cispo_token_loss(logp, old_logp, adv, clip_high=0.28):
+    """CISPO (MiniMax-M1, arXiv 2506.13585), per token (r, T): -sg(min(ratio, 1 + eps_high)) * A * logp.
+    Where PPO drops a token whose ratio left the trust region (zero gradient), CISPO keeps every token's
+    REINFORCE gradient and clips only its importance weight, detached. The paper sets no lower bound and
+    tunes eps_high without publishing it: here --clip_high (0.28), verl's clip_ratio_high."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
+    return -ratio.clamp(max=1 + clip_high).detach() * adv[:, None] * logp, ratio
+
+
+def policy_token_loss(logp, old_logp, adv, mask, cfg):
+    """--loss: the policy loss per token (r, T), the ratio, and where the clip binds (r, T) (PPO, GSPO:
+    the gradient is zero there; CISPO: the weight is truncated, the gradient kept). Dual-clip is PPO's
+    alone, as in verl: GSPO's and CISPO's bounds already cap a negative-advantage token's loss."""
+    a = adv[:, None]  # (r, 1)
+    if cfg.loss == "cispo":
+        loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
+        return loss, ratio, ratio > 1 + cfg.clip_high
+    if cfg.loss == "gspo":
+        lo, hi = cfg.gspo_clip_low, cfg.gspo_clip_high
+        loss, ratio = gspo_token_loss(logp, old_logp, adv, mask, lo, hi)
+    else:
+        lo, hi = cfg.clip_low, cfg.clip_high
+        loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
+    clipped = ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
+    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))  # dual-clip
 
 
 def tis_weight(old_logp, sampler_logp, cap):
@@ -516,8 +607,9 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
         else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
             old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
                                                           for rows in chunks]))  # (r, T) each
-        ref_logp = torch.cat([response_logprobs(ref_model, batch, rows, cfg.temperature)
-                              for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
+        with as_reference(ref_model) as ref:  # with LoRA: the policy with the reference's adapter, or none
+            ref_logp = torch.cat([response_logprobs(ref, batch, rows, cfg.temperature)
+                                  for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
     # sampler/trainer drift: how far the policy that drew the tokens is from the old policy of the loss.
     # 0 by construction when the old log-probs are the sampler's (a trainer forward to measure it would
     # cost as much as --old_logp recompute; the first mini-batch's max|ratio-1| below then measures it)
@@ -533,25 +625,20 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     for k, mb in enumerate(minibatches):
         mine = local[mb][local[mb] >= 0].to(dev)  # this rank's rows of the mini-batch, in its order
         mask_mb = batch["resp_mask"][mine]
-        w = loss_weights(mask_mb, cfg.loss_agg, distributed.all_sum(mask_mb.sum()), len(mb))  # (r, T)
+        w = loss_weights(mask_mb, cfg.loss_agg, distributed.all_sum(mask_mb.sum()), len(mb), cfg.max_new_tokens)  # (r, T)
         opt.zero_grad(set_to_none=True)
         for j, rows in enumerate(micro_batches(mine, cfg.micro_batch)):
             wr = w[j * cfg.micro_batch: j * cfg.micro_batch + len(rows)]
             mask = batch["resp_mask"][rows]
             with autocast(cfg, adv.device):  # a fresh region per forward: it sees the last opt.step()
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
-            tok_loss, ratio = ppo_token_loss(logp, old_logp[rows], adv[rows], cfg.clip_low, cfg.clip_high,
-                                             cfg.clip_ratio_c)
+            tok_loss, ratio, clipped = policy_token_loss(logp, old_logp[rows], adv[rows], mask, cfg)
             tok_loss = tok_loss * tis[rows]  # TIS on the policy loss only, not on the KL (verl)
             if ref_logp is not None:
                 kl = kl_k2(logp, ref_logp[rows])
                 tok_loss = tok_loss + cfg.kl_coef * kl
                 m["kl"] += (kl * mask).sum().item()
             (tok_loss * wr).sum().backward()
-            # diagnostics: clipped = the gradient is zero because the clip is active
-            a = adv[rows][:, None]
-            clipped = ((ratio > 1 + cfg.clip_high) & (a > 0)) | ((ratio < 1 - cfg.clip_low) & (a < 0)) | \
-                      ((ratio > cfg.clip_ratio_c) & (a < 0))  # dual-clip
             m["clip_frac"] += (clipped & mask).sum().item()
             n_tok += mask.sum().item()
             if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
@@ -589,18 +676,22 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
         kept = balance_groups(kept)
         mine = [j for j, (ro, _, _) in enumerate(kept) if ro is not None]  # the kept groups trained here
-        batch = pack_groups([kept[j] for j in mine], model.device)
-        N = cfg.n_rollouts
-        batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * N + torch.arange(N)).flatten()  # (r,)
-        batch["n_rows"] = len(kept) * N  # R, over all ranks
-        rewards = torch.stack([r for _, _, r in kept])  # (G, N), every rank has all
-        lengths = torch.zeros(rewards.shape, dtype=torch.float64)  # (G, N) valid tokens per response:
-        lengths[mine] = batch["resp_mask"].sum(1).view(len(mine), N).double().cpu()  # this rank's groups,
+        all_rewards = torch.stack([r for _, _, r in kept])  # (G, N), every rank has all
+        # --train_rollouts m: the update's rows; advantages over the m kept (PODS): they sum to 0 over the rows
+        # trained on, and m = N is the run without it exactly
+        keep = max_variance_subset(all_rewards, cfg.train_rollouts or cfg.n_rollouts)  # (G, m)
+        rewards, n = all_rewards.gather(1, keep), keep.shape[1]  # (G, m)
+        batch = pack_groups([kept[j] for j in mine], model.device, keep[mine])
+        batch["row"] = (torch.tensor(mine, dtype=torch.long)[:, None] * n + torch.arange(n)).flatten()  # (r,)
+        batch["n_rows"] = len(kept) * n  # R, over all ranks
+        lengths = torch.zeros(rewards.shape, dtype=torch.float64)  # (G, m) valid tokens per response:
+        lengths[mine] = batch["resp_mask"].sum(1).view(len(mine), n).double().cpu()  # this rank's groups,
         lengths = distributed.all_sum(lengths).float()  # then every rank's
         adv = compute_advantages(rewards, cfg.adv_norm, lengths).flatten()  # (R,) all ranks'
         model.train()
         upd = update_policy(model, ref_model, opt, batch, adv[batch["row"]].to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
+        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
@@ -752,6 +843,8 @@ def train(cfg: Config) -> list:
                                                                      "--resume" if ckpt else "--model")
     main = distributed.is_main()  # rank 0 alone prints and writes
     say = tqdm.write if main else (lambda line: None)
+    if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
@@ -759,7 +852,8 @@ def train(cfg: Config) -> list:
     if main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
-    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {device}, {dtype}, "
+    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+        f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
         f"verifier {cfg.verifier}; run dir {out}")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
@@ -768,8 +862,8 @@ def train(cfg: Config) -> list:
 
     ref_model = None
     if cfg.kl_coef > 0:  # a frozen copy of the starting policy (on --resume, the checkpoint's, below)
-        ref_model = copy.deepcopy(replica).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
+        ref_model = make_reference(replica)  # with LoRA: the shared base weights, the adapter off
+    opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng = random.Random(cfg.seed)
     gen_cpu = torch.Generator().manual_seed(cfg.seed)
     probe = eval_set[: cfg.probe_prompts]

@@ -58,6 +58,16 @@ def param_counts(mc) -> tuple:
     return total, L * (attn + mlp) + V * H
 
 
+def lora_param_count(mc, cfg) -> int:
+    """Parameters of a rank-r LoRA adapter (--lora_rank) on the --lora_targets of every decoder layer:
+    r * (fan_in + fan_out) each, for the Qwen2/Llama projections; 0 without LoRA."""
+    H, I, L, V, nh, nkv, hd = _shape(mc)
+    shapes = dict(q_proj=(H, nh * hd), k_proj=(H, nkv * hd), v_proj=(H, nkv * hd), o_proj=(nh * hd, H),
+                  gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H))
+    r = getattr(cfg, "lora_rank", 0)
+    return L * r * sum(sum(shapes.get(t, (0, 0))) for t in cfg.lora_targets.split(",")) if r else 0
+
+
 def layer_activation_bytes(mc, c: int) -> float:
     """Bytes autograd keeps per token for one decoder layer; c = compute dtype bytes (2 bf16, 4 fp32).
     fp32: each RMSNorm keeps its input, the normalised product and its output (3 x 4H); rotary keeps
@@ -104,11 +114,16 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     total, linear = param_counts(mc)
     B, N, T, P, K = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens, world_size
     shard = f", 1/{K} shard" if K > 1 else ""
-    state = [(f"weights (fp32{shard})", 4 * total / K), (f"AdamW state (fp32 m, v{shard})", 8 * total / K)]
+    # --lora_rank: the weights frozen, the adapter alone trained (gradients, AdamW state); the KL's reference
+    # shares the base weights and copies the adapter
+    lora = lora_param_count(mc, cfg)
+    trained = lora or total / K
+    state = [(f"weights (fp32{shard})", 4 * total / K)] + [("LoRA adapter (fp32)", 4 * lora)] * (lora > 0)
+    state.append((f"AdamW state (fp32 m, v{shard})", 8 * trained))
     if K > 1:
         state.append(("full replica: rollouts, eval, checkpoints (fp32)", 4 * total))
     if cfg.kl_coef > 0:
-        state.append(("reference policy (fp32)", 4 * total))
+        state.append(("reference policy (fp32)" if not lora else "reference: a copy of the LoRA adapter", 4 * (lora or total)))
     if c == 2:
         state.append(("autocast's bf16 weight copies", 2 * linear))
 
@@ -127,7 +142,7 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    R = math.ceil(B / K) * N  # rows a rank trains per step: its even share of the kept groups (brorl.balance_groups)
+    R = math.ceil(B / K) * (cfg.train_rollouts or N)  # rows a rank trains per step: its even share of the kept groups
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
@@ -140,13 +155,15 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     # that dtype too, cast to fp32 for the reduction when it is bf16
     layer = (total - root) / L
     fsdp = [("FSDP: gathered root and 2 layers, a layer's full gradient", c * root + (3 * c + 4 * (c == 2)) * layer)] * (K > 1)
-    update = [*state[:2], (f"gradients (fp32{shard})", 4 * total / K), *fsdp, *state[2:],
+    n_state = 2 + (lora > 0)  # weights, (adapter,) AdamW
+    update = [*state[:n_state], (f"gradients (fp32{shard})" if not lora else "gradients of the adapter", 4 * trained),
+              *fsdp, *state[n_state:],
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
               (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
               ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
               ("logits and their gradient" + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
                logits_bytes(r * T, V, H, c, policy.plain_logits(mc))),
-              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * total)]  # not alive with the above: a margin
+              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]  # not alive with the above: a margin
     return {"rollout": rollout, "update": update}
 
 
@@ -253,7 +270,8 @@ def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5, world
     per_token = max(2 * linear * rows / flop_s, bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
     rollout = chunks * T * per_token / world_size
     forwards = 1 + (cfg.old_logp != "sampler") + cfg.grad_ckpt + (cfg.kl_coef > 0)
-    update = B * N * (P / N + T) * 2 * linear * (forwards + 2) / flop_s / world_size
+    m = cfg.train_rollouts or N  # rows trained per group
+    update = B * m * (P / m + T) * 2 * linear * (forwards + 2) / flop_s / world_size
     return {"rollout": rollout, "update": update, "step": rollout + update}
 
 

@@ -19,7 +19,9 @@ silently mixed in. A crashed run is reported (and listed in the summary) and the
 At the end, over the runs of this grid:
   <out>/summary.md    per config: held-out pass@1 and pass@k at the end (mean, sd and each seed),
                       at the start, samples generated, samples/s, steps, keep rate, rollout
-                      tokens/s, training time
+                      tokens/s, training time; zero-advantage share, entropy, the probe's Q and
+                      the share of probe problems whose Q fell; paired t tests between configs
+                      (--compare), per seed and per held-out problem
   <out>/summary.json  the same numbers, per run and per config
   <out>/summary.png   held-out pass@1 against training time (the runs' --budget_clock) and against
                       samples generated: one line per config (mean over seeds), a band from the
@@ -45,6 +47,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -189,10 +192,15 @@ def run_summary(rows: list[dict], clock: str) -> dict:
     return {
         "pass@1_start": evals[0]["eval_pass@1"], "pass@1": evals[-1]["eval_pass@1"],
         "pass@k_start": evals[0]["eval_pass@k"], "pass@k": evals[-1]["eval_pass@k"],
-        "greedy_pass@1": evals[-1]["eval_greedy_pass@1"], "mass": evals[-1]["mass_mean"],
+        "greedy_pass@1": evals[-1]["eval_greedy_pass@1"],
+        # the probe's correct mass Q at the start and the end, and the share of probe problems whose Q fell
+        "mass_start": evals[0]["mass_mean"], "mass": evals[-1]["mass_mean"], "mass_fell": evals[-1].get("mass_fell", 0.0),
         "steps": rows[-1]["step"], "samples": samples,
         # groups that survived dynamic sampling / groups generated, over the whole run
         "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / max(samples, 1),
+        # share of generated groups whose rewards were all equal (no signal), and the rollouts' token entropy
+        "zero_adv_frac": sum(r["zero_adv_frac"] * r["samples"] for r in steps) / max(samples, 1),
+        "entropy": statistics.fmean(r["entropy"] for r in steps if "entropy" in r) if any("entropy" in r for r in steps) else 0.0,
         "rollout_tokens_per_s": tokens / max(sum(r["time_rollout"] for r in steps), 1e-9),
         "time_train_wall": rows[-1].get("time_train_wall", 0.0), "time_train_cpu": rows[-1].get("time_train_cpu", 0.0),
         # throughput on the budget clock: on a shared CPU the cpu clock's figure is the one load cannot distort
@@ -200,6 +208,8 @@ def run_summary(rows: list[dict], clock: str) -> dict:
         # the curves: (training time on `clock`, samples so far, held-out pass@1) at each evaluation
         "curve": [(r.get(f"time_train_{clock}", 0.0), sum(s["samples"] for s in steps if s["step"] <= r["step"]),
                    r["eval_pass@1"]) for r in evals],
+        # the last evaluation's correct samples per held-out problem (pass@1 per problem = count / eval samples)
+        "correct": evals[-1].get("eval_correct"),
     }
 
 
@@ -207,8 +217,65 @@ def mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def summarize(runs: list[dict], out: Path, command: str) -> dict:
-    """<out>/summary.{md,json,png} over the finished runs of this grid."""
+# ----------------------------------------------------------------------------
+# Paired comparisons: Student's t on paired differences (no scipy: the t distribution's tail is an
+# incomplete beta function, evaluated by its continued fraction, Numerical Recipes §6.4)
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), 0 <= x <= 1."""
+    if x <= 0 or x >= 1:
+        return float(x >= 1)
+    if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast below this point; use the symmetry
+        return 1 - betainc(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
+    # modified Lentz on f = 1 + 1 / (1 + d1 / (1 + d2 / ...)); the fraction itself is f - 1
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2  # d_{2m+1} = -(a+m)(a+b+m)x / ((a+2m)(a+2m+1)), d_{2m} = m(b-m)x / ((a+2m-1)(a+2m))
+        num = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0
+                                  else -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
+        d = 1 + num * d
+        d = 1 / (d if abs(d) > tiny else tiny)
+        c = 1 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(c * d - 1) < 1e-15:
+            break
+    return front * (f - 1)
+
+
+def t_test(diffs: list[float]) -> dict:
+    """Paired t test of mean(diffs) = 0: n, mean, t and the two-sided p-value (t with n - 1 degrees of freedom)."""
+    n, mean = len(diffs), statistics.fmean(diffs)
+    sd = statistics.stdev(diffs) if n > 1 else 0.0
+    if n < 2 or sd == 0:  # no spread: t is undefined (identical runs, or one pair)
+        return dict(n=n, mean=mean, t=float("nan"), p=float("nan"))
+    t, df = mean / (sd / math.sqrt(n)), n - 1
+    return dict(n=n, mean=mean, t=t, p=betainc(df / 2, 0.5, df / (df + t * t)))
+
+
+def paired(result: dict, a: str, b: str) -> dict:
+    """Config a against config b (labels) on their common seeds: the per-seed difference of final pass@1
+    (the training's noise), and the paper's per-problem difference: each held-out problem's pass@1,
+    averaged over the seeds, a minus b. The second needs every run scored on the same problems (--eval_seed)."""
+    ra, rb = result["configs"][a]["runs"], result["configs"][b]["runs"]
+    seeds = sorted(set(ra) & set(rb))
+    out = dict(a=a, b=b, seeds=seeds, per_seed=t_test([ra[s]["pass@1"] - rb[s]["pass@1"] for s in seeds]) if seeds else None)
+    runs = [ra[s] for s in seeds] + [rb[s] for s in seeds]
+    same_problems = (seeds and all(r["correct"] is not None for r in runs)
+                     and len({(r["eval_problems"], len(r["correct"]), r["eval_samples"]) for r in runs}) == 1)
+    out["per_problem"] = None
+    if same_problems:
+        n = runs[0]["eval_samples"]
+        rate = lambda rs, j: statistics.fmean(rs[s]["correct"][j] / n for s in seeds)  # problem j's pass@1 over seeds
+        out["per_problem"] = t_test([rate(ra, j) - rate(rb, j) for j in range(len(runs[0]["correct"]))])
+    return out
+
+
+def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> dict:
+    """<out>/summary.{md,json,png} over the finished runs of this grid; `compare`: pairs of config labels
+    to test against each other (default: every config against the first)."""
     clocks = {json.loads((r["dir"] / "config.json").read_text()).get("budget_clock", "wall")
               for r in runs if r["status"] != "crashed"}
     clock = clocks.pop() if len(clocks) == 1 else "wall"
@@ -218,11 +285,20 @@ def summarize(runs: list[dict], out: Path, command: str) -> dict:
         if r["status"] == "crashed":
             c["crashed"][r["seed"]] = r.get("error", "")
         else:
-            c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock)
+            run = c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock)
+            config = json.loads((r["dir"] / "config.json").read_text())
+            # which held-out problems it was scored on: --eval_seed's, or (runs older than that flag) --seed's
+            run["eval_samples"] = config["eval_samples"]
+            run["eval_problems"] = (" ".join(str(config.get(k)) for k in ("task", "eval_task", "digits", "eval_seed"))
+                                    if "eval_seed" in config else f"seed {config['seed']}")
     for c in configs.values():
         per_seed = list(c["runs"].values())
-        c["mean"] = {k: mean_sd([s[k] for s in per_seed]) for k in per_seed[0] if k != "curve"} if per_seed else {}
+        c["mean"] = {k: mean_sd([s[k] for s in per_seed]) for k, v in per_seed[0].items()
+                     if isinstance(v, (int, float))} if per_seed else {}
     result = dict(command=command, clock=clock, configs=configs)
+    labels = list(configs)
+    pairs = compare or [(label, labels[0]) for label in labels[1:]]
+    result["paired"] = [paired(result, a, b) for a, b in pairs if configs[a]["runs"] and configs[b]["runs"]]
     stem = out / "summary"  # <out>/summary.{md,json,png}
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(summary_markdown(result))
@@ -241,6 +317,10 @@ def summary_markdown(result: dict) -> str:
              "evaluations.\n",
              "| config | seeds | pass@1 start | pass@1 end | pass@k end | samples | samples/s | steps | keep rate | "
              "rollout tok/s | train wall s | train cpu s |", "|" + "---|" * 12]
+    diag = ["", "Why: the share of generated groups with all rewards equal (zero advantage), the rollouts' mean "
+                "token entropy, the probe's correct mass Q at the start and the end, and the share of probe "
+                "problems whose Q fell (means over seeds).", "",
+            "| config | zero-adv frac | entropy | probe Q start | probe Q end | probe Q fell |", "|" + "---|" * 6]
     for label, c in result["configs"].items():
         if not c["runs"]:
             lines.append(f"| {label} | 0 |" + " |" * 10)
@@ -252,6 +332,18 @@ def summary_markdown(result: dict) -> str:
             f"[{each('pass@1')}] | {m['pass@k'][0]:.3f} ± {m['pass@k'][1]:.3f} [{each('pass@k')}] | "
             f"{m['samples'][0]:,.0f} | {m['samples_per_s'][0]:,.0f} | {m['steps'][0]:.1f} | {m['keep_rate'][0]:.2f} | "
             f"{m['rollout_tokens_per_s'][0]:,.0f} | {m['time_train_wall'][0]:.1f} | {m['time_train_cpu'][0]:.1f} |")
+        diag.append(f"| {label} | {m['zero_adv_frac'][0]:.3f} | {m['entropy'][0]:.3f} | {m['mass_start'][0]:.3f} | "
+                    f"{m['mass'][0]:.3f} | {m['mass_fell'][0]:.2f} |")
+    lines += diag
+    if result["paired"]:
+        lines += ["", "Paired differences of final held-out pass@1 (a minus b), two-sided t tests: per seed (the "
+                      "seeds both ran: the training's noise) and per held-out problem (each problem's pass@1 "
+                      "averaged over those seeds: the paper's test; only when every run scored the same problems).", "",
+                  "| a | b | seeds | per seed: mean diff, t, p | problems | per problem: mean diff, t, p |", "|" + "---|" * 6]
+        for pr in result["paired"]:
+            fmt = lambda r: f"{r['mean']:+.3f}, t = {r['t']:.2f}, p = {r['p']:.3g}" if r else "-"
+            lines.append(f"| {pr['a']} | {pr['b']} | {len(pr['seeds'])} | {fmt(pr['per_seed'])} | "
+                         f"{pr['per_problem']['n'] if pr['per_problem'] else '-'} | {fmt(pr['per_problem'])} |")
     crashed = [(label, s, e) for label, c in result["configs"].items() for s, e in c["crashed"].items()]
     if crashed:
         lines += ["", "Crashed runs (not in the table; rerun the command to retry them):", ""]
@@ -304,6 +396,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per run (OMP_NUM_THREADS); 0 leaves the environment's (default: 1)")
     ap.add_argument("--dry_run", action="store_true", help="print the runs' commands and stop")
+    ap.add_argument("--compare", nargs=2, action="append", default=[], metavar=("A", "B"),
+                    help="config labels (directory names) to test paired, A minus B; repeatable "
+                         "(default: every config against the first)")
     args, passthrough = ap.parse_known_args(argv)
     for flag in passthrough:
         if flag.startswith("--") and flag[2:].split("=")[0] in RESERVED:
@@ -330,6 +425,9 @@ def main(argv=None) -> dict:
             for c, label in zip(configs, labels) for s in args.seeds]
     for r in runs:  # every run's flags checked before any starts (exits with brorl's one-line error)
         brorl.parse_config(r["argv"])
+    for pair in args.compare:
+        if unknown := [x for x in pair if x not in labels]:
+            sys.exit(f"error: --compare {' '.join(pair)}: no config {unknown[0]!r} in this grid (configs: {labels})")
     if args.dry_run:
         print("\n".join(f"python brorl.py {' '.join(r['argv'])}" for r in runs))
         return {}
@@ -339,7 +437,7 @@ def main(argv=None) -> dict:
     except ValueError as e:
         sys.exit(f"error: {e}")
     command = "python ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    result = summarize(runs, out, command)
+    result = summarize(runs, out, command, [tuple(p) for p in args.compare])
     table = (out / "summary").with_suffix(".md")
     print(table.read_text())
     print(f"wrote {table} and its .json, .png")

@@ -50,6 +50,7 @@ Run:
   python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
+  python brorl.py --init_from runs/<run> --lr 1e-4 # a new run from its checkpoint's policy (fresh AdamW; or --init_optimizer)
   python brorl.py --time_budget 20 --budget_clock cpu --steps 100000   # stop after 20 s of this process's CPU
   torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes (distributed.py)
   python brorl.py --help                       # every flag
@@ -162,6 +163,7 @@ class Config:
     budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time: others' load cannot inflate it)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
+    eval_seed: int = 0  # draws the held-out problems (eval and probe), apart from --seed: every seed scores the same ones
     eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper 16)
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
@@ -171,6 +173,8 @@ class Config:
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
+    init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a new run directory
+    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are this run's); else a fresh AdamW
     preset: str = ""  # a named bundle of overrides (hard, paper), applied before the other flags
     eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train nothing
 
@@ -204,10 +208,17 @@ PRESETS = {
 }
 
 
+# Flags that --resume cannot change: the checkpoint's restored state decides them (the random streams
+# drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
+# The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
+FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
+                   "init_from", "init_optimizer")
+
+
 def parse_config(argv=None) -> Config:
     """Config from the command line (harness.py): a preset, then the flags given; or a run to --resume."""
     description = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
-    return harness.parse_config(Config, PRESETS, check_config, description, argv)
+    return harness.parse_config(Config, PRESETS, check_config, description, argv, FIXED_ON_RESUME)
 
 
 def check_config(cfg: Config) -> str:
@@ -240,6 +251,8 @@ def check_config(cfg: Config) -> str:
         (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1, "--eval_prompts and --eval_samples must be >= 1"),
         (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
+        (not (cfg.init_from and cfg.resume), "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+        (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
         (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
@@ -720,6 +733,7 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
     for k in ks[1:]:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k) for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]
+    m["eval_correct"] = [int(c) for c in correct.sum(1)]  # per held-out problem, of n samples: for paired tests
     per_sample = lambda field: distributed.all_sum(getattr(ro, field).sum() if ro else 0).item() / correct.numel()
     m["eval_resp_len"] = per_sample("mask")  # tokens per sampled response (all ranks' samples)
     m["eval_truncated"] = per_sample("truncated")  # share that hit the length cap
@@ -767,10 +781,10 @@ def pick_verifier(cfg) -> str:
         fail(f"--verifier {cfg.verifier}: {e}")
 
 
-def load_data(cfg: Config, flag: str, task: str, split: str) -> list:
+def load_data(cfg: Config, flag: str, task: str, split: str, seed: int) -> list:
     """Examples of one split of a task; a bad source or an empty split stops with one line."""
     try:
-        rows = data.load_task(task, split, seed=cfg.seed, digits=cfg.digits)
+        rows = data.load_task(task, split, seed=seed, digits=cfg.digits)
     except (ValueError, OSError) as e:
         fail(f"{flag} {task}: {e}")
     if not rows:
@@ -784,7 +798,7 @@ def plan_only(cfg: Config) -> list:
     from transformers import AutoConfig
     name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    train_set = load_data(cfg, "--task", cfg.task, "train")
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
     name, revision = split_revision(name)
     try:
         model_config = AutoConfig.from_pretrained(name, revision=revision)
@@ -808,10 +822,12 @@ def setup(cfg: Config, policy: str, flag: str, with_train_set=True):
     dtype = compute_dtype(cfg, device)
     amp = lambda: autocast(cfg, device)  # around forwards only (see autocast)
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
-    train_set = load_data(cfg, "--task", cfg.task, "train") if with_train_set else None
-    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all") if cfg.eval_task
-                else load_data(cfg, "--task", cfg.task, "test"))
-    eval_set = random.Random(cfg.seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
+    # the held-out problems are drawn by --eval_seed alone (as --seed drew them before it: a seed-0 run's are
+    # unchanged), so that runs of different seeds are scored on the same problems, paired problem by problem
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
     model, tok = load_policy(policy, device, flag)
     if cfg.system_prompt and not tok.chat_template:
         fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
@@ -835,12 +851,31 @@ def eval_only(cfg: Config) -> dict:
     return report
 
 
+def checkpoint_dir(path: str) -> Path:
+    """--init_from's checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
+    run = Path(path)
+    return run / "ckpt" if (run / "ckpt" / "config.json").is_file() else run
+
+
+def load_optimizer(model, opt, state: dict, cfg: Config, source: str):
+    """AdamW's moments and step counts from a checkpoint's state. Its learning rate and weight decay are
+    this run's: the saved param groups hold the values of the run that wrote them, which would otherwise
+    override --lr and --weight_decay silently."""
+    if state.get("world_size", 1) != distributed.world_size():  # AdamW's state is laid out per K
+        fail(f"{source}: its checkpoint was written by {state.get('world_size', 1)} process(es), "
+             f"this run has {distributed.world_size()}: use the same number")
+    distributed.load_optimizer_state(model, opt, state["opt"])
+    for group in opt.param_groups:
+        group.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
 def train(cfg: Config) -> list:
     if cfg.plan:
         return plan_only(cfg)
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
-    cfg, device, dtype, amp, train_set, eval_set, model, tok = setup(cfg, str(ckpt or cfg.model),
-                                                                     "--resume" if ckpt else "--model")
+    init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
+    flag = "--resume" if ckpt else "--init_from" if init else "--model"
+    cfg, device, dtype, amp, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
     main = distributed.is_main()  # rank 0 alone prints and writes
     say = tqdm.write if main else (lambda line: None)
     if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
@@ -873,16 +908,19 @@ def train(cfg: Config) -> list:
         state = torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=True)  # generator states
         # must be CPU tensors; the optimizer and the reference move their own to the device
         start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
-        if state.get("world_size", 1) != distributed.world_size():  # AdamW's state is laid out per K
-            fail(f"--resume {cfg.resume}: its checkpoint was written by {state.get('world_size', 1)} process(es), "
-                 f"this run has {distributed.world_size()}: resume with the same number")
-        distributed.load_optimizer_state(model, opt, state["opt"])
+        load_optimizer(model, opt, state, cfg, f"--resume {cfg.resume}")
         rng.setstate(state["rng"])
         gen_cpu.set_state(state["gen_cpu"])
         if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
             ref_model.load_state_dict(state["ref"])
         rows = read_metrics(out, upto=start)  # steps logged after the checkpoint are redone
         say(f"resumed {out} at step {start}")
+    elif init and cfg.init_optimizer:  # a new run (step 0, its own random streams) on the old run's AdamW moments
+        state_file = init / "trainer_state.pt"
+        if not state_file.is_file():
+            fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
+        load_optimizer(model, opt, torch.load(state_file, map_location="cpu", weights_only=True), cfg,
+                       f"--init_from {cfg.init_from}")
     metrics_file = open_metrics(out, rows) if main else open(os.devnull, "w")
 
     def checkpoint(step):
@@ -909,7 +947,7 @@ def train(cfg: Config) -> list:
         m0, q_start = log_eval(0)
         rows.append({"step": 0, **m0, **clock})
         metrics_file.write(json.dumps(rows[0]) + "\n")
-        say("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if k != "step"))
+        say("eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in rows[0].items() if isinstance(v, float)))
     bar = tqdm(range(start + 1, cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
                initial=start, total=cfg.steps, disable=not main)
     for step in bar:

@@ -41,10 +41,11 @@ def parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
 
 
-def parse_config(config_cls, presets: dict, check, description: str, argv=None):
+def parse_config(config_cls, presets: dict, check, description: str, argv=None, fixed_on_resume=()):
     """Config from the command line: the preset's overrides, then the flags given. With --resume, the
-    run's own config.json, then the flags given (e.g. --steps to extend it). `check(cfg)` returns the
-    first thing wrong as one line naming the flag, or ''."""
+    run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
+    `fixed_on_resume`, whose value the checkpoint's restored state decides: changing one is refused, as
+    it could not take effect. `check(cfg)` returns the first thing wrong as one line naming the flag, or ''."""
     parser = argparse.ArgumentParser(description=description)
     helps = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
@@ -73,6 +74,11 @@ def parse_config(config_cls, presets: dict, check, description: str, argv=None):
         base = json.loads((run / "config.json").read_text())
         if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
             parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
+        for name in fixed_on_resume:
+            if name in overrides and overrides[name] != base.get(name, defaults[name]):
+                parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
+                             f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
         overrides["out"] = str(run)
     cfg = config_cls(**{**base, **overrides})
     problem = check(cfg)

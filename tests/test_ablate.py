@@ -123,7 +123,10 @@ def reference_summary(run_dir):
             "keep_rate": sum(r["keep_rate"] * r["samples"] for r in steps) / n,
             "rollout_tokens_per_s": sum(r["resp_len"] * r["samples"] for r in steps) / sum(r["time_rollout"] for r in steps),
             "time_train_cpu": steps[-1]["time_train_cpu"], "time_train_wall": steps[-1]["time_train_wall"],
-            "samples_per_s": n / steps[-1]["time_train_wall"]}  # the sweep's budget clock: wall, the default
+            "samples_per_s": n / steps[-1]["time_train_wall"],  # the sweep's budget clock: wall, the default
+            "zero_adv_frac": sum(r["zero_adv_frac"] * r["samples"] for r in steps) / n,
+            "entropy": statistics.fmean(r["entropy"] for r in steps), "mass_start": rows[0]["mass_mean"],
+            "mass": evals[-1]["mass_mean"], "mass_fell": evals[-1]["mass_fell"], "correct": evals[-1]["eval_correct"]}
 
 
 def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
@@ -141,7 +144,8 @@ def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatc
         ref = {s: reference_summary(out / label / f"seed{s}") for s in (0, 1)}
         for s in (0, 1):
             for k, v in ref[s].items():
-                assert math.isclose(runs[s][k], v, rel_tol=1e-12), (label, s, k)
+                assert runs[s][k] == v if k == "correct" else math.isclose(runs[s][k], v, rel_tol=1e-12), (label, s, k)
+            assert sum(ref[s]["correct"]) / (4 * 4) == ref[s]["pass@1"]  # 4 problems x 4 samples
         final = [ref[s]["pass@1"] for s in (0, 1)]
         mean, sd = result["configs"][label]["mean"]["pass@1"]
         assert math.isclose(mean, statistics.fmean(final)) and math.isclose(sd, statistics.stdev(final))
@@ -150,6 +154,15 @@ def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatc
         assert f"| {statistics.fmean(ref[s]['samples'] for s in (0, 1)):,.0f} |" in row
         config = json.loads((out / label / "seed1" / "config.json").read_text())
         assert config["seed"] == 1 and config["steps"] == 2 and str(config["n_rollouts"]) in label
+
+    # the second config against the first, paired by seed and by problem (both seeds scored the same problems)
+    (pair,) = result["paired"]
+    a, b = (result["configs"][label]["runs"] for label in labels[::-1])
+    assert (pair["a"], pair["b"], pair["seeds"]) == (labels[1], labels[0], [0, 1])
+    assert math.isclose(pair["per_seed"]["mean"], statistics.fmean(a[s]["pass@1"] - b[s]["pass@1"] for s in (0, 1)))
+    per_problem = [statistics.fmean(a[s]["correct"][j] - b[s]["correct"][j] for s in (0, 1)) / 4 for j in range(4)]
+    assert pair["per_problem"]["n"] == 4 and math.isclose(pair["per_problem"]["mean"], statistics.fmean(per_problem))
+    assert f"| {labels[1]} | {labels[0]} | 2 |" in md
 
     # the same command again: every run is complete, nothing is launched, the summary is the same
     launched = []
@@ -163,6 +176,52 @@ def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatc
     # another command on finished runs is refused, never mixed in
     with pytest.raises(SystemExit, match="holds a finished run of another command"):
         ablate.main([*argv, "--lr", "1e-4"])
+
+
+# ----------------------------------------------------------------------------
+# paired t tests
+
+
+def t_density_tail(t: float, df: int, steps: int = 20_000) -> float:
+    """Two-sided p-value by Simpson's rule on Student's t density over [0, |t|] (an independent reference)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)
+    h = abs(t) / steps
+    area = h / 3 * sum(f(i * h) * (1 if i in (0, steps) else 4 if i % 2 else 2) for i in range(steps + 1))
+    return 1 - 2 * area
+
+
+@pytest.mark.parametrize("t, df", [(2.0, 10), (0.3, 1), (1.5, 3), (4.2, 7), (0.05, 40), (2.6, 127)])
+def test_t_test_p_value_against_the_density(t, df):
+    p = ablate.betainc(df / 2, 0.5, df / (df + t * t))
+    assert math.isclose(p, t_density_tail(t, df), rel_tol=1e-7, abs_tol=1e-10)
+    if df == 1:  # Cauchy: closed form
+        assert math.isclose(p, 1 - 2 / math.pi * math.atan(t), rel_tol=1e-12)
+
+
+def test_t_test_of_known_differences():
+    # t table: 2.228 is the two-sided 5% point at 10 degrees of freedom; R's 2 * pt(-2, 10) = 0.07338803
+    diffs = [0.1, 0.3, -0.2, 0.4, 0.25]  # mean 0.17, sd 0.2387: t = 1.5925 with 4 df
+    r = ablate.t_test(diffs)
+    sd = statistics.stdev(diffs)
+    assert r["n"] == 5 and math.isclose(r["t"], 0.17 / (sd / math.sqrt(5)))
+    assert math.isclose(r["p"], t_density_tail(r["t"], 4), rel_tol=1e-7)
+    assert math.isclose(ablate.betainc(5, 0.5, 10 / (10 + 2.228138852 ** 2)), 0.05, rel_tol=1e-8)
+    assert math.isclose(ablate.betainc(5, 0.5, 10 / 14), 0.0733880347707, rel_tol=1e-9)
+    assert math.isnan(ablate.t_test([0.2, 0.2, 0.2])["p"])  # no spread: no test, not p = 0
+
+
+def test_paired_needs_the_same_problems_for_the_per_problem_test():
+    run = lambda p1, correct, problems: {"pass@1": p1, "correct": correct, "eval_samples": 4, "eval_problems": problems}
+    result = {"configs": {
+        "a": {"runs": {0: run(0.5, [2, 2], "x"), 1: run(0.75, [4, 2], "x"), 2: run(0.0, [0, 0], "x")}},
+        "b": {"runs": {0: run(0.25, [1, 1], "x"), 1: run(0.25, [2, 0], "x")}}}}
+    pr = ablate.paired(result, "a", "b")
+    assert pr["seeds"] == [0, 1] and math.isclose(pr["per_seed"]["mean"], 0.375)  # seed 2 has no partner
+    assert pr["per_problem"]["n"] == 2 and math.isclose(pr["per_problem"]["mean"], (1.5 + 1.5) / 2 / 4)
+    result["configs"]["b"]["runs"][1]["eval_problems"] = "y"  # scored on other problems: per seed only
+    pr = ablate.paired(result, "a", "b")
+    assert pr["per_problem"] is None and pr["per_seed"]["n"] == 2
 
 
 def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):

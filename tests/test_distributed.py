@@ -240,7 +240,7 @@ def test_resume_needs_the_same_number_of_processes(runs, tmp_path, capsys):
     run = shutil.copytree(runs["two"], tmp_path / "two")  # a 2-process run, resumed by one process
     with pytest.raises(SystemExit):
         brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "4"]))
-    assert "written by 2 process(es), this run has 1: resume with the same number" in capsys.readouterr().err
+    assert "written by 2 process(es), this run has 1: use the same number" in capsys.readouterr().err
 
 
 def test_a_crashing_rank_stops_the_job(tmp_path):

@@ -10,7 +10,7 @@ Citation formats (strict, so that they can be checked):
   python X.py / bash X    a command in the docs: X exists (python -m tools.X: the tool exists)
   `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
                           of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
-  `--flag`, default V     in README.md: V is Config's default
+  `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
   --preset NAME           NAME is in brorl.PRESETS; README's presets table agrees with PRESETS
 """
 
@@ -221,11 +221,11 @@ def same_value(quoted: str, value) -> bool:
 
 
 def default_problems(root: Path) -> list:
-    """Defaults the README quotes, written "`--flag`, default V": V is Config's default."""
+    """Defaults the README quotes, written "`--flag`, default V" or "`--flag` (default V": V is Config's."""
     defaults = config_defaults()
     return [f"README.md: `--{flag}`, default {v}: " + (f"the code's default is {defaults[flag]!r}" if flag in defaults
                                                        else "no such Config field")
-            for flag, v in re.findall(r"`--(\w+)`, default ([\w.+-]+)", (root / "README.md").read_text())
+            for flag, v in re.findall(r"`--(\w+)`(?:,| \() default ([\w.+-]+)", (root / "README.md").read_text())
             if flag not in defaults or not same_value(v, defaults[flag])]
 
 

@@ -225,7 +225,7 @@ def default_problems(root: Path) -> list:
     defaults = config_defaults()
     return [f"README.md: `--{flag}`, default {v}: " + (f"the code's default is {defaults[flag]!r}" if flag in defaults
                                                        else "no such Config field")
-            for flag, v in re.findall(r"`--(\w+)`(?:,| \() default ([\w.+-]+)", (root / "README.md").read_text())
+            for flag, v in re.findall(r"`--(\w+)`(?:, | \()default ([\w.+-]+)", (root / "README.md").read_text())
             if flag not in defaults or not same_value(v, defaults[flag])]
 
 

@@ -122,7 +122,8 @@ def path_problems(root: Path) -> list:
     `metrics.jsonl`) are not repository paths; a pattern (`bench*.py`) is not checked."""
     problems = []
     folders = {p.name for p in root.iterdir() if p.is_dir()}
-    command = re.compile(r"(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)|python\s+-m\s+tools\.([a-z]\w*)")  # tools.NAME: a placeholder
+    # python X.py, bash X.sh, bash .ci/X; python -m tools.x (tools.NAME, in capitals, is a placeholder)
+    command = re.compile(r"(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)|python\s+-m\s+tools\.([a-z]\w*)")
 
     def missing(cmd, tool):
         return not find(root, f"{tool}.py") if tool else not ((root / cmd).exists() or find(root, cmd))
@@ -239,8 +240,9 @@ def preset_problems(root: Path) -> list:
             if name not in brorl.PRESETS and not name.isupper():  # X, NAME: a placeholder
                 problems.append(f"{doc}: --preset {name}: no such preset (brorl.PRESETS: {sorted(brorl.PRESETS)})")
     md = (root / "README.md").read_text()
-    rows = re.findall(r"^\| `([\w.-]+)` \| (.+) \|$", md.split("\n| preset | model | task | N x B | new tokens |", 1)[-1]
-                      .split("\n\n", 1)[0], flags=re.M) if "| preset | model |" in md else []
+    header = "\n| preset | model | task | N x B | new tokens |"
+    table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
+    rows = re.findall(r"^\| `([\w.-]+)` \| (.+) \|$", table, flags=re.M)
     if not rows:
         return problems + ["README.md: no presets table (| preset | model | task | N x B | new tokens |)"]
     for name, rest in rows:
@@ -254,7 +256,8 @@ def preset_problems(root: Path) -> list:
                 problems.append(f"README.md presets table: {name}'s {flag} is {cell}, the code's {cfg[flag]!r}")
         n, b = nb.split(" x ")
         if not (same_value(n, cfg["n_rollouts"]) and same_value(b, cfg["prompts_per_step"])):
-            problems.append(f"README.md presets table: {name} is {nb}, the code's {cfg['n_rollouts']} x {cfg['prompts_per_step']}")
+            problems.append(f"README.md presets table: {name} is {nb}, "
+                            f"the code's {cfg['n_rollouts']} x {cfg['prompts_per_step']}")
         m = re.fullmatch(r"([\d,]+)(?: \(eval ([\d,]+)\))?", tokens)
         want_eval = cfg["eval_max_new_tokens"] or cfg["max_new_tokens"]
         if not m or not same_value(m[1], cfg["max_new_tokens"]) or (m[2] and not same_value(m[2], want_eval)):

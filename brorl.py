@@ -25,8 +25,8 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  (kernels.linear_logprobs: from hidden states, the logits never whole).
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k,
                  drawn from the evaluation's own random stream (it never moves the training's);
-                 the correct mass Q(x) of a fixed probe set (Theorem 1's Q_pos for one prompt:
-                 docs/paper.md §3); one log line per step, metrics.jsonl and metrics.png in --out; a
+                 the correct mass Q(x) of a fixed probe set (per prompt, an analogy to Theorem 1's
+                 Q_pos: docs/paper.md §3); one log line per step, metrics.jsonl and metrics.png in --out; a
                  checkpoint at every eval, from which --resume continues the run exactly.
 
 Where this simplifies the paper:
@@ -45,8 +45,8 @@ Where this simplifies the paper:
 Run:
   python brorl.py                              # embedded tiny model + task, CPU, a few minutes
   python brorl.py --preset hard                # the correct procedure is rare (~3% of samples)
-  python brorl.py --preset math-1.5b          # a real one-GPU job (also gsm8k-0.5b; paper: many GPUs)
-  python brorl.py --preset math-1.5b --plan   # its memory plan and time estimate, no weights loaded
+  python brorl.py --preset math-1.5b           # a real one-GPU job (also gsm8k-0.5b; paper: many GPUs)
+  python brorl.py --preset math-1.5b --plan    # its memory plan and time estimate, no weights loaded
   python brorl.py --task gsm8k:openai/gsm8k:main --eval_task math:HuggingFaceH4/MATH-500@test ...
   python brorl.py --eval_only --model runs/<run> --task math:aime.jsonl --eval_samples 16  # eval.json
   python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
@@ -175,7 +175,7 @@ class Config:
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
     init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a new run directory
     init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are this run's); else a fresh AdamW
-    preset: str = ""  # a named bundle of overrides (hard, paper), applied before the other flags
+    preset: str = ""  # a named bundle of overrides, applied before the other flags
     eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train nothing
 
 
@@ -742,8 +742,8 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
 
 def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples rollouts
-    at the training temperature (not N: runs with different N are measured alike): Theorem 1's Q_pos
-    for one prompt, and pass@k(x) = 1 - (1 - Q(x))^k rises with it (docs/paper.md §3)."""
+    at the training temperature (not N: runs with different N are measured alike). Per prompt, an
+    analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises with it (docs/paper.md §3)."""
     seeds = draw_seeds(gen, len(probe))
     q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg, seeds)[2].mean(1)  # (P,)
     m = {"mass_mean": q.mean().item()}

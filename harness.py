@@ -52,6 +52,8 @@ def parse_config(config_cls, presets: dict, check, description: str, argv=None, 
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
+        if f.name == "preset":  # the names from the presets themselves, so the help never falls behind
+            text += f"; one of {', '.join(presets)}"
         text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
         kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
         parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),

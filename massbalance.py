@@ -3,8 +3,9 @@
 The theory needs no language model, so this file stands apart from brorl.py. Read it top to bottom:
 
 1. Theory. One RL step is gradient ascent on the logits z of a softmax p over a vocabulary
-   split into correct tokens P and incorrect tokens N. With N draws, sampled correct tokens (A)
-   get reward R_c >= 0, sampled incorrect ones (B) get R_w <= 0, unsampled ones (U) get 0, and
+   split into correct tokens (the set P) and incorrect ones (the rest; the paper calls them N too,
+   here N is only the number of draws). With N draws, sampled correct tokens (A) get reward
+   R_c >= 0, sampled incorrect ones (B) get R_w <= 0, unsampled ones (U) get 0, and
    the surrogate -(1/N) sum_i R_i p_i moves each logit by dz_j = (eta/N) p_j (R_j - S_R).
    `mass_balance_terms` gives Theorem 1, the first-order change of the correct mass Q_pos:
      dQ_pos = (eta/N) [ (R_c - S_R) Q_neg A2            sampled correct,   never < 0

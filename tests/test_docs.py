@@ -1,5 +1,5 @@
 """The text keeps up with the code: every citation resolves, the README's example log line is the
-code's own format, and the product speaks of itself.
+code's own format, and every flag, default and preset the docs name is the code's.
 
 Citation formats (strict, so that they can be checked):
   docs/paper.md §N        a numbered section: docs/paper.md has a heading "## N. ..."
@@ -7,25 +7,50 @@ Citation formats (strict, so that they can be checked):
   [text](path#anchor)     a Markdown link in README.md, NOTES.md, docs/*.md: the file, and the heading
   `path`                  a backticked repository path in the docs (`tests/`, `assets/tiny-arith`, `kernels.py`)
   `module.name`           a backticked function or constant of one of our modules: it exists
-  python X.py / bash X    a command in the docs: X exists
+  python X.py / bash X    a command in the docs: X exists (python -m tools.X: the tool exists)
+  `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
+                          of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
+  `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
+  --preset NAME           NAME is in brorl.PRESETS; README's presets table agrees with PRESETS
 """
 
+import dataclasses
+import importlib
 import re
 import shutil
 from pathlib import Path
 
-import harness
+import brorl
+import data
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "NOTES.md", "docs/paper.md"]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
+FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
+
+
+def find(root: Path, name: str):
+    """The file `name` (x.py, x.sh) at the top or in one of FOLDERS, or None."""
+    return next((root / d / name for d in FOLDERS if (root / d / name).is_file()), None)
+
+
+def import_module(name: str):
+    """One of our modules, wherever it lives (`harness` or `lib.harness`, `ablate` or `tools.ablate`)."""
+    for prefix in ("", "lib.", "tools."):
+        try:
+            return importlib.import_module(prefix + name)
+        except ModuleNotFoundError as e:
+            if e.name not in (prefix + name, prefix.rstrip(".")):
+                raise
+    raise ModuleNotFoundError(name)
 
 
 def text_files(root: Path) -> list:
     """Every file whose text ships: code, CI scripts, docs."""
     files = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("*.md"), *root.glob("tests/*.py"),
-             *root.glob(".ci/*"), *root.glob("docs/*.md"), *root.glob("assets/**/*.md")]
+             *root.glob("lib/*.py"), *root.glob("tools/*.py"), *root.glob(".ci/*"), *root.glob("docs/*.md"),
+             *root.glob("assets/**/*.md")]
     return sorted(f for f in files if f.is_file())
 
 
@@ -91,58 +116,154 @@ def link_problems(root: Path) -> list:
 
 
 def path_problems(root: Path) -> list:
-    """Backticked repository paths and `python X.py` / `bash X` commands in the docs exist.
-    A backticked path counts when it names a root file (x.py, x.sh, x.md) or starts with a
-    folder the repository has; run outputs (`runs/...`, `metrics.jsonl`) are not repository paths."""
+    """Backticked repository paths and `python X.py` / `python -m tools.X` / `bash X` commands in the
+    docs exist. A backticked path counts when it names a module (x.py, x.sh, x.md: at the top or in
+    one of FOLDERS) or starts with a folder the repository has; run outputs (`runs/...`,
+    `metrics.jsonl`) are not repository paths; a pattern (`bench*.py`) is not checked."""
     problems = []
     folders = {p.name for p in root.iterdir() if p.is_dir()}
+    # python X.py, bash X.sh, bash .ci/X; python -m tools.x (tools.NAME, in capitals, is a placeholder)
+    command = re.compile(r"(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)|python\s+-m\s+tools\.([a-z]\w*)")
+
+    def missing(cmd, tool):
+        return not find(root, f"{tool}.py") if tool else not ((root / cmd).exists() or find(root, cmd))
+
     for doc in DOCS:
         md = (root / doc).read_text()
         for span in re.findall(r"`([^`\n]+)`", md):
-            for cmd in re.findall(r"(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)", span):
-                if not (root / cmd).exists():
-                    problems.append(f"{doc}: command names {cmd}, which does not exist")
-            if " " in span or "<" in span:
+            for cmd, tool in command.findall(span):
+                if missing(cmd, tool):
+                    problems.append(f"{doc}: command names {cmd or 'tools.' + tool}, which does not exist")
+            if " " in span or "<" in span or "*" in span:
                 continue
             top = span.split("/")[0]
-            is_root_file = "/" not in span and re.fullmatch(r"[\w-]+\.(py|sh|md)", span)
-            if (is_root_file or ("/" in span and top in folders)) and not (root / span).exists():
+            is_module = "/" not in span and re.fullmatch(r"[\w-]+\.(py|sh|md)", span)
+            if is_module and not ((root / span).exists() or find(root, span)):
                 problems.append(f"{doc}: `{span}` does not exist")
-        for cmd in re.findall(r"^(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)", "\n".join(
-                FENCE.findall(md)), flags=re.M):
-            if not (root / cmd).exists():
-                problems.append(f"{doc}: command names {cmd}, which does not exist")
+            elif "/" in span and top in folders and not (root / span).exists():
+                problems.append(f"{doc}: `{span}` does not exist")
+        for line in "\n".join(FENCE.findall(md)).splitlines():
+            if m := command.match(line):
+                if missing(*m.groups()):
+                    problems.append(f"{doc}: command names {m[1] or 'tools.' + m[2]}, which does not exist")
     return problems
 
 
 def name_problems(root: Path) -> list:
     """Backticked `module.name` in the docs: that module has that name (functions named in the
     README's step, constants cited by docs/paper.md)."""
-    import importlib
     problems = []
     for doc in DOCS:
         for mod, name in re.findall(rf"`({'|'.join(MODULES)})\.(\w+)`", (root / doc).read_text()):
             if name in ("py", "md"):
                 continue
-            if not hasattr(importlib.import_module(mod), name):
+            if not hasattr(import_module(mod), name):
                 problems.append(f"{doc}: `{mod}.{name}`: {mod}.py has no {name}")
     return problems
 
 
-FORBIDDEN = re.compile(r"\bissues? \d+|\bthe issue's\b|\bsessions?\b|\blent\b|\blend(?:ing)?\b", flags=re.I)
+# Flags of programs that are not ours, as the docs use them: PyTorch's launcher, pip, argparse's help
+EXTERNAL_FLAGS = {"standalone", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "index-url", "help"}
+FLAG = re.compile(r"(?<![\w-])--([a-zA-Z][\w-]*)")
 
 
-def process_word_problems(root: Path) -> list:
-    """Words about how the work was organised, not about the product."""
+def config_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(brorl.Config)}
+
+
+def program_flags(root: Path) -> set:
+    """Every flag one of our programs accepts: the string literals "--x" in their source (argparse's
+    add_argument, sys.argv checks), --no-x beside a BooleanOptionalAction, and the fields of the
+    dataclasses that are flags (brorl's Config; data.py's WarmStart, `python data.py build`)."""
+    flags = set(config_defaults()) | {f.name for f in dataclasses.fields(data.WarmStart)}
+    for f in [*root.glob("*.py"), *root.glob("lib/*.py"), *root.glob("tools/*.py")]:
+        src = f.read_text()
+        flags |= set(re.findall(r"""["']--([a-zA-Z][\w-]*)["']""", src))
+        flags |= {"no-" + x for x in re.findall(r"""add_argument\(\s*["']--([\w-]+)["'][^)]*BooleanOptionalAction""", src)}
+    return flags
+
+
+def command_texts(md: str) -> list:
+    """The places a command can be written: each line of a code block (continuations joined) and
+    each backticked span outside them."""
+    blocks = [ln for block in FENCE.findall(md) for ln in block.replace("\\\n", " ").splitlines()]
+    return blocks + re.findall(r"`([^`\n]+)`", FENCE.sub("", md))
+
+
+def flag_problems(root: Path) -> list:
+    """Every --flag in the docs is one that something accepts; a flag given to brorl.py is a Config field."""
+    known, fields = program_flags(root) | EXTERNAL_FLAGS, set(config_defaults()) | {"help"}
     problems = []
-    for f in text_files(root):
-        if f.name == "test_docs.py":
-            continue
-        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
-            if m := FORBIDDEN.search(line):
-                problems.append(f"{f.relative_to(root)}:{lineno}: {m.group(0)!r} in {line.strip()[:80]!r}")
+    for doc in DOCS:
+        md = (root / doc).read_text()
+        for lineno, line in enumerate(md.splitlines(), 1):
+            problems += [f"{doc}:{lineno}: --{f} is no Config field nor a flag of our programs"
+                         for f in FLAG.findall(line) if f not in known]
+        for text in command_texts(md):
+            if "brorl.py " in text:
+                args = text.rsplit("brorl.py ", 1)[1].split(" #")[0]
+                problems += [f"{doc}: `brorl.py ... --{f}`: brorl.py has no --{f}"
+                             for f in FLAG.findall(args) if f not in fields]
     return problems
 
+
+def same_value(quoted: str, value) -> bool:
+    """A value as the docs write it (16,384; 0.2; a path relative to the repository) against the code's."""
+    quoted = quoted.strip("`").replace(",", "")
+    if isinstance(value, bool):
+        return quoted.lower() in (("1", "true", "on") if value else ("0", "false", "off"))
+    if isinstance(value, (int, float)):
+        try:
+            return float(quoted) == value
+        except ValueError:
+            return False
+    parts = Path(quoted).parts
+    return quoted == value or (len(parts) > 1 and Path(value).parts[-len(parts):] == parts)
+
+
+def default_problems(root: Path) -> list:
+    """Defaults the README quotes, written "`--flag`, default V" or "`--flag` (default V": V is Config's."""
+    defaults = config_defaults()
+    return [f"README.md: `--{flag}`, default {v}: " + (f"the code's default is {defaults[flag]!r}" if flag in defaults
+                                                       else "no such Config field")
+            for flag, v in re.findall(r"`--(\w+)`(?:, | \()default ([\w.+-]+)", (root / "README.md").read_text())
+            if flag not in defaults or not same_value(v, defaults[flag])]
+
+
+def preset_problems(root: Path) -> list:
+    """Every `--preset NAME` in the docs exists, and every row of README's presets table is that preset:
+    model and task (or "your ..." where the preset leaves them to the user), N x B, new tokens (and the
+    eval's, when quoted)."""
+    problems = []
+    for doc in DOCS:
+        for name in re.findall(r"--preset[ =]([\w.-]+)", (root / doc).read_text()):
+            if name not in brorl.PRESETS and not name.isupper():  # X, NAME: a placeholder
+                problems.append(f"{doc}: --preset {name}: no such preset (brorl.PRESETS: {sorted(brorl.PRESETS)})")
+    md = (root / "README.md").read_text()
+    header = "\n| preset | model | task | N x B | new tokens |"
+    table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
+    rows = re.findall(r"^\| `([\w.-]+)` \| (.+) \|$", table, flags=re.M)
+    if not rows:
+        return problems + ["README.md: no presets table (| preset | model | task | N x B | new tokens |)"]
+    for name, rest in rows:
+        if name not in brorl.PRESETS:
+            problems.append(f"README.md presets table: {name}: no such preset")
+            continue
+        preset, cfg = brorl.PRESETS[name], {**config_defaults(), **brorl.PRESETS[name]}
+        model, task, nb, tokens = (c.strip() for c in rest.split(" | "))
+        for flag, cell in (("model", model), ("task", task)):
+            if (flag in preset) if cell.startswith("your") else not same_value(cell, cfg[flag]):
+                problems.append(f"README.md presets table: {name}'s {flag} is {cell}, the code's {cfg[flag]!r}")
+        n, b = nb.split(" x ")
+        if not (same_value(n, cfg["n_rollouts"]) and same_value(b, cfg["prompts_per_step"])):
+            problems.append(f"README.md presets table: {name} is {nb}, "
+                            f"the code's {cfg['n_rollouts']} x {cfg['prompts_per_step']}")
+        m = re.fullmatch(r"([\d,]+)(?: \(eval ([\d,]+)\))?", tokens)
+        want_eval = cfg["eval_max_new_tokens"] or cfg["max_new_tokens"]
+        if not m or not same_value(m[1], cfg["max_new_tokens"]) or (m[2] and not same_value(m[2], want_eval)):
+            problems.append(f"README.md presets table: {name}'s new tokens are {tokens}, the code's "
+                            f"{cfg['max_new_tokens']} (eval {want_eval})")
+    return problems
 
 def shape(line: str) -> str:
     """A log line with every number replaced by its format: integers -> 9, 0.980 -> 9.999,
@@ -178,7 +299,7 @@ def readme_log_line(root: Path) -> str:
 def log_line_problems(root: Path) -> list:
     problems = []
     line = readme_log_line(root)
-    want = harness.log_line(AnyMetrics())
+    want = import_module("harness").log_line(AnyMetrics())
     if shape(line) != shape(want):
         problems.append(f"README.md's example log line is not harness.log_line's format:\n"
                         f"  README: {line}\n  code:   {want}")
@@ -217,16 +338,31 @@ def test_readme_log_line_is_the_codes_format():
     assert log_line_problems(ROOT) == []
 
 
-def test_the_product_speaks_of_itself():
-    assert process_word_problems(ROOT) == []
+def test_flags_defaults_and_presets_in_docs_are_the_codes():
+    assert flag_problems(ROOT) == []
+    assert default_problems(ROOT) == []
+    assert preset_problems(ROOT) == []
+
+
+def test_preset_help_lists_every_preset(capsys):
+    try:
+        brorl.parse_config(["--help"])
+    except SystemExit:
+        pass
+    helptext = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert all(name in helptext for name in brorl.PRESETS), helptext
 
 
 def test_readme_lists_every_module():
-    """The README's file table names every module at the root and the tests folder."""
+    """The README's file table names every module at the top, in lib/ and in tools/ (by name or by a
+    pattern such as `bench*.py`), and the tests folder."""
+    import fnmatch
     md = (ROOT / "README.md").read_text()
     assert "\n## Where to read on\n" in md, "README.md has no section '## Where to read on'"
     table = md.split("\n## Where to read on\n", 1)[1]
-    missing = [p.name for p in ROOT.glob("*.py") if f"`{p.name}`" not in table and p.name != "bench_trl.py"]
+    named = [s.split("/")[-1] for s in re.findall(r"`([^`\n]+)`", table)]
+    modules = [*ROOT.glob("*.py"), *ROOT.glob("lib/*.py"), *ROOT.glob("tools/*.py")]
+    missing = [p.name for p in modules if p.name != "__init__.py" and not any(fnmatch.fnmatch(p.name, n) for n in named)]
     assert missing == [] and "`tests/`" in table, f"not in README's file table: {missing}"
 
 
@@ -252,10 +388,25 @@ def test_checks_catch_broken_citations(tmp_path):
     assert len(found) == 3, found
     readme = root / "README.md"
     readme.write_text(readme.read_text() + "\n[gone](docs/nothing.md) [bad](NOTES.md#nope) `assets/none.bin` "
-                      "`python nothere.py` `brorl.no_such_function`\n")
+                      "`python nothere.py` `python -m tools.nothere` `gone.py` `brorl.no_such_function`\n")
     assert len(link_problems(root)) == 2
-    assert len(path_problems(root)) == 2
+    assert len(path_problems(root)) == 4
     assert len(name_problems(root)) == 1
+
+
+def test_checks_catch_wrong_flags_defaults_and_presets(tmp_path):
+    root = copy_text(tmp_path)
+    readme = root / "README.md"
+    before = [len(check(root)) for check in (flag_problems, default_problems, preset_problems)]
+    md = readme.read_text()
+    assert "(`--n_rollouts`, default 512)" in md and "| 256 x 16 | 512 |" in md
+    md = md.replace("(`--n_rollouts`, default 512)", "(`--n_rollouts`, default 16)")  # a stale default
+    md = md.replace("| 256 x 16 | 512 |", "| 256 x 8 | 512 |")  # a stale preset
+    md += "\n`--no_such_flag` `python brorl.py --grid n_rollouts=16` `--preset nonesuch`\n"
+    readme.write_text(md)
+    after = [len(check(root)) for check in (flag_problems, default_problems, preset_problems)]
+    # --no_such_flag anywhere; --grid is ablate's, not brorl.py's; a default; a table row and a name
+    assert [a - b for a, b in zip(after, before)] == [2, 1, 2], (before, after)
 
 
 def test_checks_catch_a_stale_log_line(tmp_path):
@@ -268,10 +419,3 @@ def test_checks_catch_a_stale_log_line(tmp_path):
     readme.write_text(readme.read_text().replace(line.replace(" | keep ", " | keep 1.00 | kept "),
                                                  line.replace(" Q 0.", " Q 1.")))
     assert "not the run recorded in NOTES.md" in log_line_problems(root)[0]
-
-
-def test_checks_catch_process_words(tmp_path):
-    root = copy_text(tmp_path)
-    assert process_word_problems(root) == []
-    (root / "y.py").write_text("# the figure of issue 6, for a session that is lent a GPU\n")
-    assert len(process_word_problems(root)) == 1

@@ -81,13 +81,13 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import data
-import distributed
-import harness
-import planner
+from lib import distributed
+from lib import harness
+from lib import planner
 import verify
-from policy import (ReplayCache, add_lora, as_reference, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy,
+from lib.policy import (ReplayCache, add_lora, as_reference, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy,
                     make_reference, plain_head, split_revision, trainable)
-from harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
+from lib.harness import fail, log_line, make_run_dir, open_metrics, plot_metrics, read_metrics, save_atomic
 from kernels import linear_logprobs, token_logprobs
 from sampler import Rollouts, cache_kwarg, draw_seeds, generate  # importing it registers attn_implementation="brorl"
 

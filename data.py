@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-import tasks  # real datasets by schema (imports nothing of ours)
+from lib import tasks  # real datasets by schema (imports nothing of ours)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-import ablate
+from tools import ablate
 import brorl
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",

@@ -3,7 +3,7 @@ process, and the GPU part's driver with its breadth sweep) at toy sizes, on what
 
 import torch
 
-import bench
+from tools import bench
 
 
 def test_every_bench_part_runs_at_a_tiny_size(capsys):

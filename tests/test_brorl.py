@@ -21,11 +21,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import bench_kernels  # noqa: E402
+from tools import bench_kernels  # noqa: E402
 import brorl  # noqa: E402
 import data  # noqa: E402
 import kernels  # noqa: E402
-import massbalance as mb  # noqa: E402
+from tools import massbalance as mb  # noqa: E402
 import sampler  # noqa: E402
 import verify  # noqa: E402
 from kernels import token_logprobs, token_logprobs_ref  # noqa: E402
@@ -498,7 +498,7 @@ import pytest
 import torch
 
 import data
-import tasks
+from lib import tasks
 
 
 # ----------------------------------------------------------------------------

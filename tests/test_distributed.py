@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import brorl
-import distributed
+from lib import distributed
 import sampler
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root

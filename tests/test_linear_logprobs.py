@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench_kernels
+from tools import bench_kernels
 import brorl
 import kernels
 from kernels import linear_logprobs

@@ -10,8 +10,8 @@ import torch
 
 import brorl
 import data
-import planner
-import policy
+from lib import planner
+from lib import policy
 
 SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2", "--eval_samples", "2",
          "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256", "--lora_rank", "4", "--lr", "2e-3"]

@@ -162,7 +162,7 @@ def test_pack_groups_keeps_the_chosen_rows(tmp_path):
 
 def test_planner_counts_the_trained_rows_only():
     """--train_rollouts m: the update holds G*m rows, not G*N: its (rows, T) tensors shrink by N/m."""
-    import planner
+    from lib import planner
     from transformers import Qwen2Config
     mc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, vocab_size=300)

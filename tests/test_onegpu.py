@@ -82,7 +82,7 @@ def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
 
 import pytest  # noqa: E402
 
-import planner  # noqa: E402
+from lib import planner  # noqa: E402
 import sampler  # noqa: E402
 
 

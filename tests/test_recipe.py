@@ -327,7 +327,7 @@ def test_paper_preset_is_the_papers_continuation():
 
 
 def test_model_revision_is_split_from_a_hub_id(tmp_path):
-    from policy import split_revision
+    from lib.policy import split_revision
     assert split_revision("nvidia/Nemotron-Research-Reasoning-Qwen-1.5B@v2") == ("nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", "v2")
     assert split_revision("org/name") == ("org/name", None)
     local = tmp_path / "a@b"
@@ -350,7 +350,7 @@ def test_planner_models_the_log_prob_path_that_runs_per_rank(tmp_path, softcap):
     """At K = 8 (FSDP) the update's log-probs come from hidden states (distributed.in_forward), so the
     plan holds no (rows, T, V) logits; a head the log-prob kernel cannot take (soft-capping) holds them."""
     from transformers import AutoConfig
-    import planner
+    from lib import planner
     mc = AutoConfig.from_pretrained(paper_shaped_model(tmp_path, **({"final_logit_softcapping": softcap} if softcap else {})))
     cfg = brorl.parse_config(["--preset", "paper", "--dtype", "bfloat16", "--micro_batch", "4"])
     logits = dict(planner.plan(mc, cfg, 200, world_size=8)["update"])

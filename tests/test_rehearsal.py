@@ -58,7 +58,7 @@ def test_rehearsal_trains_end_to_end_in_bf16_with_grad_ckpt(rehearsal, tmp_path)
 
 
 def test_planner_matches_the_measured_peaks_of_the_rehearsal(rehearsal, tmp_path):
-    import memcheck
+    from tools import memcheck
     result = memcheck.check(_cfg(rehearsal, tmp_path / "mem"))
     for phase, (estimate, measured) in result.items():
         print(f"{phase}: planner {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")

@@ -17,7 +17,7 @@ import torch
 import brorl
 import data
 import sampler
-import tasks
+from lib import tasks
 import verify
 
 GSM8K = [  # GSM8K's own schema: a worked answer ending in "#### <number>"

@@ -59,6 +59,8 @@ import brorl
 import data
 import sampler
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: children run as `python -m tools.bench`
+
 # Architectures. "tiny": the CPU bench model (~2.4M params with the 258-token byte
 # vocabulary). "0.5b": Qwen2.5-0.5B's config numbers, randomly initialised (the GPU part).
 ARCHS = {
@@ -236,14 +238,14 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
           f"processes x {steps} steps (after one warm-up step each)")
     common = ["--model_dir", str(path), "--new", str(new), "--micro_batch", str(micro_batch),
               "--steps", str(steps), "--threads", str(threads)]
-    runs = {("brorl", n): [sys.executable, __file__, "--child", *common] for n in ns}
+    runs = {("brorl", n): [sys.executable, "-m", "tools.bench", "--child", *common] for n in ns}
     if trl_python:  # TRL's GRPOTrainer in its own venv (bench_trl.sh), interleaved with ours
         trl = [trl_python, str(Path(__file__).with_name("bench_trl.py")), *common]
         runs.update({("TRL", n): trl for n in ns})
     res = {k: [] for k in runs}
     for _ in range(repeats):  # interleaved across processes: brorl 64, brorl 512, TRL 64, ...
         for (name, n), cmd in runs.items():
-            out = subprocess.run(cmd + ["--n", str(n)], capture_output=True, text=True)
+            out = subprocess.run(cmd + ["--n", str(n)], capture_output=True, text=True, cwd=ROOT)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if out.returncode or not line:
                 sys.exit(f"{name} N={n} failed:\n{out.stderr[-3000:]}")
@@ -304,7 +306,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
 
 
 def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
-    import policy
+    from lib import policy
     model, pad = load_model(path, "brorl", device, dtype), AutoTokenizer.from_pretrained(path).pad_token_id
     ids = random_prompt(prompt, seed=1)
     plain = statistics.median(dt for dt, _ in interleaved({"x": lambda: run_ours(model, ids, n, new, pad)}, repeats)["x"])

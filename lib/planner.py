@@ -30,10 +30,10 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import distributed
+from lib import distributed
 import kernels
-import policy
-from harness import fail
+from lib import policy
+from lib.harness import fail
 from sampler import encode_prompt
 
 GB = 2**30

@@ -21,7 +21,7 @@ import torch
 
 import brorl
 import data
-import planner
+from lib import planner
 import sampler
 
 

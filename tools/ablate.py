@@ -57,7 +57,7 @@ from pathlib import Path
 
 import brorl
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
 
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,6 +38,8 @@ import triton  # noqa: E402
 from kernels import IGNORE_INDEX, KERNEL_DTYPES, linear_logprobs, token_logprobs, token_logprobs_ref  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: children run as `python -m tools.bench_kernels`
 
 
 # -----------------------------------------------------------------------------
@@ -72,7 +75,7 @@ def compile_kernels(archs=tuple(GPU_ARCHS), dtypes=KERNEL_DTYPES):
     triton: with TRITON_INTERPRET=1 (kernels.py sets it without a GPU) it runs in a subprocess."""
     if triton.knobs.runtime.interpret:
         env = {**os.environ, "TRITON_INTERPRET": "0"}
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-json"],
+        out = subprocess.run([sys.executable, "-m", "tools.bench_kernels", "--compile-json"], cwd=ROOT,
                              env=env, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"compiling the kernels failed:\n{out.stderr[-3000:]}")
@@ -266,8 +269,8 @@ def _bench_linear_cpu(N=4096, D=896, V=151936):
     print(f"{'path':>34} {'peak extra MiB':>15} {'time s':>7}")
     res = {}
     for path, name in [("logits", "hidden @ W.T, then token_logprobs"), ("linear", "linear_logprobs")]:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--linear-child", path,
-                              str(N), str(D), str(V)], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-m", "tools.bench_kernels", "--linear-child", path,
+                              str(N), str(D), str(V)], capture_output=True, text=True, check=True, cwd=ROOT)
         res[path] = peak, sec = tuple(float(x) for x in out.stdout.split()[-2:])
         print(f"{name:>34} {peak / 2**20:15.0f} {sec:7.2f}")
     print(f"  linear_logprobs: {res['logits'][0] / res['linear'][0]:.1f}x less memory, "

@@ -2,13 +2,13 @@
 # TRL's GRPOTrainer on brorl's bench model, for the side-by-side figure in NOTES.md#speed.
 # TRL is not a dependency of brorl: this script installs it in its own venv (never the project's).
 #
-#   bash bench_trl.sh                 # N=512 then N=64: completions/s and peak RSS
-#   bash bench_trl.sh 512 --steps 5   # one N, extra flags go to bench_trl.py
-#   python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with brorl
+#   bash tools/bench_trl.sh                 # N=512 then N=64: completions/s and peak RSS
+#   bash tools/bench_trl.sh 512 --steps 5   # one N, extra flags go to tools/bench_trl.py
+#   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with brorl
 #
 # Env: TRL_VENV (default /tmp/trl-venv), PYTHON (the project's python, default python3).
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."  # the repository root
 VENV=${TRL_VENV:-/tmp/trl-venv}
 PYTHON=${PYTHON:-python3}
 
@@ -23,12 +23,12 @@ fi
 # The same randomly initialised model, tokenizer and prompts as bench.py, written by the project.
 MODEL=$(mktemp -d /tmp/brorl-bench-model.XXXX)
 trap 'rm -rf "$MODEL"' EXIT
-"$PYTHON" bench.py --save "$MODEL"
+"$PYTHON" -m tools.bench --save "$MODEL"
 
 NS=(512 64)
 if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then NS=("$1"); shift; fi
 for n in "${NS[@]}"; do
-  if ! "$VENV/bin/python" bench_trl.py --model_dir "$MODEL" --n "$n" "$@" >"$MODEL/log.txt" 2>&1; then
+  if ! "$VENV/bin/python" tools/bench_trl.py --model_dir "$MODEL" --n "$n" "$@" >"$MODEL/log.txt" 2>&1; then
     tail -n 30 "$MODEL/log.txt"; exit 1
   fi
   grep -E '^(TRL|RESULT)' "$MODEL/log.txt"

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import sampler  # noqa: F401  (importing it registers attn_implementation="brorl")
-from harness import fail
+from lib.harness import fail
 
 
 def load_policy(name: str, device, flag="--model"):

@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# This file sits beside brorl's kernels.py, which would shadow the optional `kernels` package that
-# transformers probes for (and then fail on triton): drop this directory from the import path.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# Run as a script (python tools/bench_trl.py), never with the repository root on the import path: brorl's
+# kernels.py would shadow the optional `kernels` package that transformers probes for.
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402

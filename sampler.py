@@ -29,6 +29,7 @@ how prompts were chunked (max_rows), which rows were dropped, or which process d
 import functools
 import inspect
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +168,13 @@ class Rollouts:
     truncated: torch.Tensor  # (B*N,) bool: hit max_new without EOS
     texts: list  # B*N decoded responses, EOS stripped
     n: int  # rollouts per prompt
+
+    def group(self, g: int, keep=None) -> "Rollouts":
+        """Prompt g's rollouts (those in keep, indices among its n; default all) as a Rollouts of their own,
+        copied: a view would hold (and, sent to another process, carry) the whole batch's storage."""
+        rows = g * self.n + (torch.arange(self.n) if keep is None else torch.as_tensor(keep))  # (n',)
+        return Rollouts([self.prompt_ids[g]], self.tokens[rows], self.mask[rows], self.logp[rows], self.entropy[rows],
+                        self.truncated[rows], [self.texts[i] for i in rows.tolist()], len(rows))
 
 
 # The two-level draw's block: pick_tokens picks one of ceil(V / DRAW_BLOCK) blocks of the vocabulary, then a
@@ -337,6 +345,13 @@ def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seed
     lengths = mask.sum(1).tolist()  # (B*N,) each row's real tokens: decode those, not T columns of padding
     texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)], skip_special_tokens=True)
     return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
+
+
+def round_seeds(seed: int, step: int, rnd: int, n: int) -> list:
+    """One seed per prompt of a sampling round: rollouts are a function of (seed, step, prompt) only,
+    never of the process that draws them nor of how many there are."""
+    stream = random.Random(f"rollouts/{seed}/{step}/{rnd}")  # a str seeds Random the same everywhere
+    return [stream.getrandbits(62) for _ in range(n)]
 
 
 def draw_seeds(gen: torch.Generator, n: int) -> list:

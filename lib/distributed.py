@@ -7,16 +7,19 @@ one part, no sharding).
 
 What is split and what is gathered (brorl.py calls these at each point):
   - rollouts: each round's prompts are chosen identically on every rank, and each rank samples and
-    scores its share() of them; the rewards of all prompts are gather()ed, so that every rank takes
-    the same dynamic-sampling decisions and computes the same advantages. Each prompt's rollouts
-    come from its own seed, so they do not depend on which rank drew them. The kept groups are then
-    move()d so that each rank trains an even share() of them, whichever ranks' prompts survived.
-  - the update: FSDP2 shards the parameters, gradients and AdamW state across ranks (shard()). Each
-    rank computes the loss of the kept rows it holds, weighted by the mini-batch's normaliser
-    summed over all ranks (all_sum()), and the gradients are SUMMED over ranks (FSDP averages by
-    default), so that the gradient is one process's up to float rounding. With a bf16 compute dtype
-    FSDP all-gathers bf16 copies of the parameters (half the traffic and the gathered bytes) and
-    reduces the gradients in fp32 into the fp32 shards AdamW steps (MixedPrecisionPolicy).
+    scores its share() of them; the rewards and lengths of all prompts are gather()ed, so that every
+    rank takes the same dynamic-sampling decisions and computes the same advantages and loss
+    normalisers. Each prompt's rollouts come from its own seed, so they do not depend on which rank
+    drew them. The kept groups are then balance()d: rank k holds the groups in share(G, k), whichever
+    ranks' prompts survived.
+  - the update: every rank knows every row's advantage and length, and holds the rows of its groups.
+    micro_batches() gives each rank its rows of a mini-batch, in as many micro-batches as the busiest
+    rank needs. FSDP2 shards the parameters, gradients and AdamW state (shard()); each rank's loss is
+    weighted by the mini-batch's normaliser, which every rank computes alike, and the gradients are
+    SUMMED over ranks (FSDP averages by default): the gradient is one process's up to float rounding.
+    The update's metrics are summed (or maxed) over ranks once, at its end (reduce()). With a bf16
+    compute dtype FSDP all-gathers bf16 copies of the parameters (half the traffic and the gathered
+    bytes) and reduces the gradients in fp32 into the fp32 shards AdamW steps (MixedPrecisionPolicy).
   - log-probs without logits: brorl's log-prob pass calls the decoder for hidden states and applies
     the head's weight itself (kernels.linear_logprobs: never the (rows, T, V) logits). Under FSDP the
     decoder layers gather their own shards, but the root's parameters (embeddings, final norm, head:
@@ -106,6 +109,36 @@ def move(items: list, owner: list) -> list:
             dist.recv_object_list(box, src=owner[j])
             out[j] = box[0]
     return out
+
+
+def balance(groups: list) -> list:
+    """The kept groups, each on the rank that trains it: groups[j] (a one-group Rollouts on the rank that
+    sampled it, None on the others) moved to the rank whose share() of len(groups) holds j, an even share
+    per rank whatever dynamic sampling kept where. Returns this rank's list: its groups, None elsewhere."""
+    if not dist.is_initialized():
+        return groups
+    owner = all_sum(torch.tensor([rank() * (x is not None) for x in groups])).long().tolist()  # (G,)
+    return move(groups, owner)
+
+
+def micro_batches(rows: torch.Tensor, n_groups: int, n: int, size: int) -> list:
+    """This rank's part of `rows` (indices among all ranks' n_groups * n rows, group-major, rank k holding
+    the groups in share(n_groups, k)) as indices into its own batch, in micro-batches of `size`, in the
+    order of `rows`. Every rank gets as many micro-batches as the busiest rank needs (a rank with fewer
+    runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows, in micro-batches."""
+    K, mine = world_size(), share(n_groups)
+    stops = torch.tensor([share(n_groups, k).stop * n for k in range(K)])  # (K,) where each rank's rows end
+    owner = torch.bucketize(rows.cpu(), stops, right=True)  # (len(rows),) the rank holding each row
+    local = rows[(owner == rank()).to(rows.device)] - mine.start * n  # (this rank's rows,)
+    count = -(-int(torch.bincount(owner, minlength=K).max()) // size) if len(rows) else 0  # the busiest rank's
+    return [local[i * size: (i + 1) * size] for i in range(count)]
+
+
+def reduce(metrics: dict, maxes=()) -> dict:
+    """Metrics summed over ranks (those named in maxes: their max over ranks), one all-reduce for each kind."""
+    sums = [k for k in metrics if k not in maxes]
+    total, top = all_sum([metrics[k] for k in sums]), all_max([metrics[k] for k in maxes])
+    return {**dict(zip(sums, total.tolist())), **dict(zip(maxes, top.tolist()))}
 
 
 def gather(x: torch.Tensor) -> torch.Tensor:

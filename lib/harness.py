@@ -1,15 +1,15 @@
 """
-harness.py: the run machinery around the algorithm in brorl.py. The command line (every Config
-field is a --flag, presets, --resume), the run directory (config.json, metrics.jsonl, metrics.png),
-the one log line per step, and checkpoints written so that a crash never leaves a half-written one.
-It imports nothing of ours: brorl.py hands it its Config class and presets.
+harness.py: the run machinery around the algorithm in brorl.py. Setting a run up (seeds, processes,
+data, the policy with LoRA, --grad_ckpt and FSDP, the memory plan), its run directory (config.json,
+metrics.jsonl, metrics.png), the one log line per step, the training clock and --time_budget,
+checkpoints written so that a crash never leaves a half-written one, --resume and --init_from,
+--plan and --eval_only. The command line itself is config.py.
 """
 
-import argparse
 import dataclasses
-import inspect
 import json
 import os
+import random
 import re
 import shutil
 import sys
@@ -17,76 +17,15 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
-
-def fail(msg: str):
-    """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-# ----------------------------------------------------------------------------
-# The command line: every field of the Config dataclass is a --flag, its source comment the --help
-
-
-def field_help(config_cls) -> dict:
-    """--help text for each field: the comment that follows it in the Config source."""
-    src = inspect.getsource(config_cls)
-    return dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", src, flags=re.M))
-
-
-def parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "0", "false", "no"):
-        return s.lower() in ("1", "true", "yes")
-    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
-
-
-def parse_config(config_cls, presets: dict, check, description: str, argv=None, fixed_on_resume=()):
-    """Config from the command line: the preset's overrides, then the flags given. With --resume, the
-    run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
-    `fixed_on_resume`, whose value the checkpoint's restored state decides: changing one is refused, as
-    it could not take effect. `check(cfg)` returns the first thing wrong as one line naming the flag, or ''."""
-    parser = argparse.ArgumentParser(description=description)
-    helps = field_help(config_cls)
-    for f in dataclasses.fields(config_cls):
-        # default=None marks "not given", so that a preset never overrides an explicit flag; the
-        # help shows the real default (Config's), which a preset may change
-        text = helps.get(f.name, "")
-        if f.name == "preset":  # the names from the presets themselves, so the help never falls behind
-            text += f"; one of {', '.join(presets)}"
-        text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
-        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
-        parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
-                            metavar=f.type.__name__.upper())
-    args = vars(parser.parse_args(argv))
-    overrides = {k: v for k, v in args.items() if v is not None}
-    preset = overrides.get("preset", "")
-    if preset and preset not in presets:
-        parser.error(f"--preset {preset!r}: unknown (choose from {sorted(presets)})")
-    base = presets.get(preset, {})
-    if overrides.get("resume"):
-        run = Path(overrides["resume"])
-        for need in (run / "config.json", run / "ckpt" / "trainer_state.pt"):
-            if not need.is_file():
-                parser.error(f"--resume {run}: no checkpoint to resume ({need} is missing)")
-        if Path(overrides.get("out", run)) != run:
-            parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
-        if preset:
-            parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
-        base = json.loads((run / "config.json").read_text())
-        if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
-            parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
-        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
-        for name in fixed_on_resume:
-            if name in overrides and overrides[name] != base.get(name, defaults[name]):
-                parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
-                             f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
-        overrides["out"] = str(run)
-    cfg = config_cls(**{**base, **overrides})
-    problem = check(cfg)
-    if problem:
-        parser.error(problem)
-    return cfg
+import data
+import verify
+from lib import distributed, planner
+from lib.config import fail
+from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy, split_revision, trainable
 
 
 # ----------------------------------------------------------------------------
@@ -209,3 +148,255 @@ def eval_table(report: dict) -> str:
     width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width)))
     return "\n".join([head, line(cols), *map(line, rows)])
+
+
+# ----------------------------------------------------------------------------
+# Setting a run up: seeds, processes, data, the policy
+
+
+def pick_verifier(cfg) -> str:
+    """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is installed."""
+    try:
+        return verify.choose_verifier(cfg.task, cfg.verifier)
+    except ImportError as e:
+        fail(f"--verifier {cfg.verifier}: {e}")
+
+
+def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
+    """Examples of one split of a task; a bad source or an empty split stops with one line."""
+    try:
+        rows = data.load_task(task, split, seed=seed, digits=cfg.digits)
+    except (ValueError, OSError) as e:
+        fail(f"{flag} {task}: {e}")
+    if not rows:
+        fail(f"{flag} {task}: its {split} split is empty" + (" (name a held-out source: --eval_task)" * (split == "test")))
+    return rows
+
+
+def setup(cfg, policy: str, flag: str, with_train_set=True):
+    """What a run and --eval_only share: seeds, device, the data (first: a bad --task fails before
+    anything is written), the fixed eval set, the policy and its tokenizer."""
+    hf_logging.disable_progress_bar()
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
+    cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
+    # the held-out problems are drawn by --eval_seed alone (as --seed drew them before it: a seed-0 run's are
+    # unchanged), so that runs of different seeds are scored on the same problems, paired problem by problem
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
+    model, tok = load_policy(policy, device, flag)
+    if cfg.system_prompt and not tok.chat_template:
+        fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
+    return cfg, device, train_set, eval_set, model, tok
+
+
+def eval_generator(device, seed: int, step: int) -> torch.Generator:
+    """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
+    evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
+    draws exactly what a run's evaluation at step 0 draws."""
+    return torch.Generator(device=device).manual_seed(random.Random(f"eval-{seed}-{step}").getrandbits(63))
+
+
+def checkpoint_dir(path: str) -> Path:
+    """--init_from's checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
+    run = Path(path)
+    return run / "ckpt" if (run / "ckpt" / "config.json").is_file() else run
+
+
+class Clock:
+    """Training time so far, evaluations and checkpoints excluded (their cost must favour no config):
+    wall seconds, and this process's CPU seconds (all its threads), which other processes cannot inflate.
+    `with clock:` around a step's training; then `spent`: --time_budget is used up (rank 0 decides, so
+    that every rank stops after the same step)."""
+
+    def __init__(self, cfg, last_row: dict):
+        self.cfg, self.spent = cfg, False
+        self.total = {k: last_row.get(k, 0.0) for k in ("time_train_wall", "time_train_cpu")}
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc):
+        self.total["time_train_wall"] += time.perf_counter() - self.wall
+        self.total["time_train_cpu"] += time.process_time() - self.cpu
+        used = self.total[f"time_train_{self.cfg.budget_clock}"]
+        self.spent = distributed.broadcast(0 < self.cfg.time_budget <= used)
+
+
+class Run:
+    """A training run's machinery (start() makes one): the resolved config, device, data, the policy (the
+    model trained, K > 1 sharded by FSDP2) and its full replica (rollouts, evaluation, checkpoints), the
+    run directory and its metrics, the clock. Rank 0 alone prints and writes."""
+
+    def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out, resume):
+        self.cfg, self.device, self.train_set, self.eval_set = cfg, device, train_set, eval_set
+        self.model, self.replica, self.tok, self.out, self.resume = model, replica, tok, out, resume
+        self.main = distributed.is_main()
+        self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
+
+    def say(self, line: str):
+        if self.main:
+            tqdm.write(line)
+
+    def amp(self):
+        """The autocast region of the compute dtype, around forwards only (policy.autocast)."""
+        return autocast(self.cfg, self.device)
+
+    def restore(self, opt, ref_model, rng, gen_cpu) -> tuple:
+        """(first step, keep_est, q_start). --resume: where the checkpoint left off (weights, AdamW, the
+        reference, every random stream, the metrics logged up to it); --init_from with --init_optimizer:
+        its AdamW moments on a new run; else a fresh start (0, 0.5, None)."""
+        self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu  # what checkpoints save
+        start, keep_est, q_start = 0, 0.5, None
+        if self.resume:
+            # generator states must be CPU tensors; the optimizer and the reference move their own to the device
+            state = torch.load(self.resume / "trainer_state.pt", map_location="cpu", weights_only=True)
+            start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
+            load_optimizer(self.model, opt, state, self.cfg, f"--resume {self.cfg.resume}")
+            rng.setstate(state["rng"])
+            gen_cpu.set_state(state["gen_cpu"])
+            if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
+                ref_model.load_state_dict(state["ref"])
+            self.rows = read_metrics(self.out, upto=start)  # steps logged after the checkpoint are redone
+            self.say(f"resumed {self.out} at step {start}")
+        elif self.cfg.init_optimizer:  # a new run (step 0, its own random streams) on the old run's AdamW moments
+            init = checkpoint_dir(self.cfg.init_from)
+            if not (init / "trainer_state.pt").is_file():
+                fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
+            load_optimizer(self.model, opt, torch.load(init / "trainer_state.pt", map_location="cpu", weights_only=True),
+                           self.cfg, f"--init_from {self.cfg.init_from}")
+        self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
+        self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
+        self.keep_est, self.q_start = keep_est, q_start
+        return start, keep_est, q_start
+
+    def steps(self, start: int):
+        """The steps after `start` up to --steps, with a progress bar; none after the one that spent --time_budget."""
+        for step in tqdm(range(start + 1, self.cfg.steps + 1), desc="brorl", dynamic_ncols=True, file=sys.stderr,
+                         initial=start, total=self.cfg.steps, disable=not self.main):
+            yield step
+            if self.clock.spent:
+                self.say(f"time budget spent: {self.clock.total[f'time_train_{self.cfg.budget_clock}']:.1f} s "
+                         f"({self.cfg.budget_clock}) >= --time_budget {self.cfg.time_budget:g}; stopped after step {step}")
+                return
+
+    def eval_due(self, step: int) -> bool:
+        """Evaluate (and checkpoint) after this step: every --eval_every, at the last, or the budget is spent."""
+        return step % self.cfg.eval_every == 0 or step == self.cfg.steps or self.clock.spent
+
+    def log(self, m: dict, keep_est: float = 0.5, q_start=None):
+        """Step m's row, with the training clock, to metrics.jsonl and the log line; at an evaluation
+        also metrics.png and (--save) the checkpoint, which holds keep_est and the step-0 probe mass."""
+        m.update(self.clock.total)
+        self.rows.append(m)
+        self.metrics_file.write(json.dumps(m) + "\n")
+        self.metrics_file.flush()
+        if "eval_pass@1" in m and m["step"] > 0:
+            if self.main:
+                plot_metrics(self.rows, self.out / "metrics.png")  # refreshed at every eval, not only at the end
+            if self.cfg.save:
+                self.checkpoint(m["step"], keep_est, q_start)
+        self.say(log_line(m) if m["step"] > 0 else
+                 "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items() if isinstance(v, float)))
+
+    def checkpoint(self, step: int, keep_est: float, q_start):
+        opt_state = distributed.optimizer_state(self.model, self.opt)  # K > 1: the shards gathered onto rank 0
+        state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt_state, rng=self.rng.getstate(),
+                     gen_cpu=self.gen_cpu.get_state(), world_size=distributed.world_size(),
+                     ref=self.ref_model.state_dict() if self.ref_model is not None else None)
+        if self.main:
+            save_atomic(self.replica, self.tok, self.cfg, state, self.out / "ckpt")
+
+    def finish(self) -> list:
+        self.metrics_file.close()
+        first, last = self.rows[0], self.rows[-1]
+        if "eval_pass@1" in last:
+            self.say(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
+                     f"pass@k {first['eval_pass@k']:.3f} -> {last['eval_pass@k']:.3f}; wrote {self.out}")
+        distributed.teardown()
+        return self.rows
+
+
+def start(cfg) -> Run:
+    """Set a training run up: seeds, processes, data, the policy (--resume: the checkpoint's; --init_from:
+    that run's policy), a LoRA adapter, --grad_ckpt, the memory plan (lowers max_rows and micro_batch to
+    fit), the run directory with config.json, and K > 1: the model sharded with a full replica beside it."""
+    ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
+    init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
+    flag = "--resume" if ckpt else "--init_from" if init else "--model"
+    cfg, device, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
+    if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    if cfg.grad_ckpt:
+        enable_grad_ckpt(model)
+    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
+    main = distributed.is_main()
+    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if main else None))  # its name holds rank 0's time
+    if main:
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    dtype = compute_dtype(cfg, device)
+    say = tqdm.write if main else (lambda line: None)
+    say(json.dumps(dataclasses.asdict(cfg), indent=1))
+    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
+        f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
+        f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
+        f"verifier {cfg.verifier}; run dir {out}")
+    # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
+    # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
+    model, replica = distributed.shard(model, dtype)
+    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, ckpt)
+
+
+def load_optimizer(model, opt, state: dict, cfg, source: str):
+    """AdamW's moments and step counts from a checkpoint's state. Its learning rate and weight decay are
+    this run's: the saved param groups hold the values of the run that wrote them, which would otherwise
+    override --lr and --weight_decay silently."""
+    if state.get("world_size", 1) != distributed.world_size():  # AdamW's state is laid out per K
+        fail(f"{source}: its checkpoint was written by {state.get('world_size', 1)} process(es), "
+             f"this run has {distributed.world_size()}: use the same number")
+    distributed.load_optimizer_state(model, opt, state["opt"])
+    for group in opt.param_groups:
+        group.update(lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+# ----------------------------------------------------------------------------
+# --plan and --eval_only
+
+
+def plan(cfg) -> list:
+    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
+    device, then per rank of 8 (torchrun)."""
+    name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
+    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
+    name, revision = split_revision(name)
+    try:
+        model_config = AutoConfig.from_pretrained(name, revision=revision)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as e:
+        fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
+    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True)
+    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
+        print()
+        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True)
+    return []
+
+
+def eval_only(cfg, evaluate) -> dict:
+    """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly as a
+    run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
+    written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
+    cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
+    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if distributed.is_main() else None))
+    t0 = time.perf_counter()
+    with torch.no_grad(), autocast(cfg, device):
+        m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
+    report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set), time.perf_counter() - t0)
+    if distributed.is_main():
+        write_eval(out / "eval.json", report)
+        print(eval_table(report))
+    distributed.teardown()
+    return report

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lib import distributed
 import kernels
 from lib import policy
-from lib.harness import fail
+from lib.config import fail
 from sampler import encode_prompt
 
 GB = 2**30

@@ -1,8 +1,10 @@
 """
 policy.py: the policy as a Hugging Face model. Loading it (fp32 master weights, the "brorl" attention
 of sampler.py), the dtype its matmuls run in and the autocast region that must wrap forwards only,
-and the update's forward plumbing: the output layer that log-probs can skip (plain_head), a KV cache
-that stays right when activation checkpointing replays a layer (ReplayCache), and the checkpointing.
+and the update's forward plumbing: the step's rollouts as one batch (pack_groups), their log-probs with
+each prompt run once (response_logprobs), the output layer that log-probs can skip (plain_head), a KV
+cache that stays right when activation checkpointing replays a layer (ReplayCache), the checkpointing,
+and the gradient norm over every process's shards (clip_gradients).
 LoRA (--lora_rank, through peft, imported only then): the adapter (add_lora, load_policy of an adapter
 dir), what the optimizer trains (trainable), and the KL's reference sharing the base weights
 (make_reference, LoraReference, as_reference).
@@ -14,10 +16,13 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-import sampler  # noqa: F401  (importing it registers attn_implementation="brorl")
-from lib.harness import fail
+from kernels import linear_logprobs, token_logprobs
+from lib import distributed
+from lib.config import fail
+from sampler import cache_kwarg  # importing sampler registers attn_implementation="brorl"
 
 
 def load_policy(name: str, device, flag="--model"):
@@ -205,3 +210,115 @@ def as_reference(ref):
     """The reference as a model to run (a context): the frozen copy itself, or the LoRA policy with the
     reference's adapter (or none) in place of its own for the duration."""
     return ref.policy() if isinstance(ref, LoraReference) else contextlib.nullcontext(ref)
+
+
+# ----------------------------------------------------------------------------
+# The update's batch and its log-probs
+
+
+def pack_groups(groups: list, dev="cpu") -> dict:
+    """One-group Rollouts (Rollouts.group) -> the update's batch on `dev`: G prompts, left-padded to P,
+    and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2 kept:
+    response_logprobs always makes its two model calls), each row pointing at its prompt (`group`), and
+    `lengths` (G, n), each row's valid tokens, float64 on the CPU (with K processes brorl.rl_step puts
+    all ranks' there). No groups: an empty batch."""
+    G = len(groups)
+    P = max((len(x.prompt_ids[0]) for x in groups), default=1)
+    prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
+    prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
+    for i, x in enumerate(groups):
+        ids = x.prompt_ids[0]
+        prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
+    empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
+    cat = lambda field: torch.cat([getattr(x, field) for x in groups] or [torch.zeros(0, 1, dtype=empty[field])])  # (R, T_max)
+    mask = cat("mask")
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
+    rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)  # (R, T), one padding column if T_max = 1
+    group = torch.arange(G).repeat_interleave(torch.tensor([x.n for x in groups], dtype=torch.long))  # (R,)
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens"), resp_mask=rows("mask"),
+                group=group.to(dev), sampler_logp=rows("logp"), sampler_entropy=rows("entropy"),
+                lengths=mask.sum(1).double().reshape(G, groups[0].n if groups else 0))
+
+
+# One empty row (a 1-token prompt, 2 padding response tokens): what a rank computes, with no effect,
+# when it holds no row of a micro-batch that other ranks hold rows of (response_logprobs)
+IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+                  resp=torch.zeros(1, 2, dtype=torch.long), resp_mask=torch.zeros(1, 2, dtype=torch.bool),
+                  group=torch.zeros(1, dtype=torch.long))
+
+
+def response_logprobs(model, batch, rows, temperature, with_entropy=False):
+    """Log-probs (r, T) of the response tokens of batch rows `rows`, through the one log-prob
+    kernel. Like the sampler, each prompt is run once (not once per row) and no logits are made
+    at prompt positions: the responses attend to their prompt's keys/values, gathered per row,
+    so the gradient of all N rows flows back into the one prompt pass. With a plain linear head
+    the decoder's hidden states go to kernels.linear_logprobs, which never holds the (r, T, V)
+    logits; any other head (plain_head) gives logits, then kernels.token_logprobs."""
+    if len(rows) == 0:  # this rank holds none of these rows (K > 1): one empty row makes the same
+        # calls to the model as any micro-batch, so that every rank joins each of FSDP's collectives
+        dev = batch["resp"].device
+        idle = response_logprobs(model, {k: v.to(dev) for k, v in IDLE_BATCH.items()},
+                                 torch.zeros(1, dtype=torch.long, device=dev), temperature)  # (1, 2)
+        out = batch["sampler_logp"][:0] + 0.0 * idle.sum()  # (0, T), in the graph: backward joins too
+        return (out, out) if with_entropy else out
+    # K > 1: the whole pass is one forward of the sharded model (distributed.in_forward), so that FSDP
+    # gathers the root's parameters (embeddings, final norm, head) for all of it, head included
+    return distributed.in_forward(model, lambda: logprobs_pass(model, batch, rows, temperature, with_entropy))
+
+
+def logprobs_pass(model, batch, rows, temperature, with_entropy):
+    """response_logprobs' forward: the prompts once, then the responses against their prompt's keys."""
+    head = plain_head(model)
+    net = model.get_decoder() if head is not None else model  # hidden states, or logits
+    states = lambda out: out.last_hidden_state if head is not None else out.logits
+    keep_last = {} if head is not None else dict(logits_to_keep=1)  # no (g, P, V) prompt logits
+    groups, row_group = batch["group"][rows].unique(return_inverse=True)  # (g,), (r,)
+    pm = batch["prompt_mask"][groups]  # (g, P)
+    resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)  # trim trailing padding, keep 2
+    # 1. each prompt once; its last position predicts response token 0. Prompts are left-padded: a
+    # padding position attends to itself (its output is never used), as a row with no key at all
+    # gives NaN in some CUDA attention kernels
+    g, P = pm.shape
+    eye = torch.eye(P, dtype=torch.bool, device=pm.device)  # (P, P)
+    prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye  # (g, P, P): causal over real keys, + itself
+    cache = ReplayCache(model.config)
+    first = states(net(batch["prompt"][groups], attention_mask=prompt_attn[:, None],
+                       position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
+                       **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
+    # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
+    # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
+    x = first.index_select(0, row_group)  # (r, 1, H or V)
+    # 2. response tokens 0..T-2 predict tokens 1..T-1 (T >= 2: always two calls to the model, as FSDP
+    # needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
+    row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
+                                           for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
+    r = len(rows)
+    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1): every row sees itself
+    attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
+    pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
+    rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
+                      **{cache_kwarg(net): row_cache}))  # (r, T-1, H or V)
+    x = torch.cat([x, rest], 1)  # (r, T, H or V): hidden states are small, logits only without a plain head
+    targets = resp[:, :T].masked_fill(~mask[:, :T], -100)  # (r, T)
+    if head is not None:
+        out = linear_logprobs(x, head, targets, temperature, with_entropy=with_entropy)
+    else:
+        out = token_logprobs(x, targets, temperature, with_entropy=with_entropy)
+    pad = lambda x: F.pad(x, (0, mask.shape[1] - T))  # back to the batch's T
+    return tuple(pad(x) for x in out) if with_entropy else pad(out)
+
+
+def uses_sampler_logp(cfg, model) -> bool:
+    """--old_logp auto: the sampler's log-probs when the forward runs in float32 (fp32 weights, no
+    autocast), where they equal a trainer forward's up to rounding (tested; logged as max|ratio-1|);
+    a recompute in bf16, where the decode and the training forward round differently."""
+    w = next(model.parameters())
+    fp32 = w.dtype == torch.float32 and compute_dtype(cfg, w.device) == torch.float32
+    return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and fp32)
+
+
+def clip_gradients(model, max_norm: float) -> float:
+    """Clip the global gradient norm to max_norm; return the norm before clipping, over every process's
+    shards (FSDP's gradients are DTensors: their norm is gathered whole)."""
+    return distributed.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)).item()

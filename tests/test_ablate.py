@@ -11,6 +11,7 @@ import torch
 
 from tools import ablate
 import brorl
+from lib import policy
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
         "--probe_prompts", "2", "--probe_samples", "8", "--max_rows", "256", "--save", "0"]
@@ -97,7 +98,7 @@ def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
 
 
 def test_probe_uses_probe_samples_whatever_n(monkeypatch):
-    model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
+    model, tok = policy.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
     probe = brorl.data.load_task("arith", "test", n=3, seed=0)
     cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
     sizes, generate = [], brorl.generate
@@ -239,7 +240,7 @@ def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
     """The far end of the difficulty map (data.py VARIANTS["harder"]): it answers in format, and its
     build report puts the correct rate at T = 1 under 1% and under the hard model's."""
     import re
-    model, tok = brorl.load_policy(str(brorl.data.EMBEDDED_MODEL_HARDER), torch.device("cpu"))
+    model, tok = policy.load_policy(str(brorl.data.EMBEDDED_MODEL_HARDER), torch.device("cpu"))
     report = json.loads((brorl.data.EMBEDDED_MODEL_HARDER / "warmstart.json").read_text())
     hard = json.loads((brorl.data.EMBEDDED_MODEL_HARD / "warmstart.json").read_text())
     assert report["config"]["p_correct"] == brorl.data.VARIANTS["harder"]["p_correct"]

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import brorl
-from lib import distributed
+from lib import distributed, policy
 import sampler
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
@@ -26,14 +26,15 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 # makes that rank raise in its n-th update.
 RUNNER = textwrap.dedent('''
     import json, os, sys, torch
-    import brorl, distributed
+    import brorl
+    from lib import distributed, policy
     calls, norms, rows, idle, packed, kernel = [], [], [], [0], [], {"linear": 0, "logits": 0}
     weights = brorl.loss_weights
     def recording_weights(mask, *a, **k):
         rows.append(mask.shape[0])
         return weights(mask, *a, **k)
     brorl.loss_weights = recording_weights
-    linear, from_logits = brorl.linear_logprobs, brorl.token_logprobs
+    linear, from_logits = policy.linear_logprobs, policy.token_logprobs
     def counting_linear(*a, **k):
         kernel["linear"] += 1
         kernel["head_dtype"] = str(a[1].dtype)  # the head's weight as the pass sees it (FSDP: as gathered)
@@ -41,7 +42,7 @@ RUNNER = textwrap.dedent('''
     def counting_logits(*a, **k):
         kernel["logits"] += 1
         return from_logits(*a, **k)
-    brorl.linear_logprobs, brorl.token_logprobs = counting_linear, counting_logits
+    policy.linear_logprobs, policy.token_logprobs = counting_linear, counting_logits
     pack = brorl.pack_groups
     def counting_pack(kept, *a):
         packed.append(len(kept))
@@ -49,10 +50,10 @@ RUNNER = textwrap.dedent('''
     brorl.pack_groups = counting_pack
     share = brorl.sample_share
     def recording_share(model, tok, examples, n, *a):
-        ro, mine, r = share(model, tok, examples, n, *a)
+        ro, mine, r, *scores = share(model, tok, examples, n, *a)
         calls.append(dict(prompts=[examples[i]["prompt"] for i in mine], texts=ro.texts if ro else [],
                           rewards=r.tolist()))
-        return ro, mine, r
+        return ro, mine, r, *scores
     brorl.sample_share = recording_share
     clip = torch.nn.utils.clip_grad_norm_
     def recording_clip(*a, **k):
@@ -275,7 +276,7 @@ def test_rollouts_depend_on_the_prompt_seed_only(tmp_path):
     """A prompt's rollouts are the same whichever prompts it is sampled with, however the rows are
     chunked (a group split in parts), and whichever rows finish early (rows are dropped mid-decode)."""
     import data
-    model, tok = brorl.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
+    model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     prompts = ["123+45=", "9+1=", "77+123=", "5+5="]
     seeds = [11, 12, 13, 14]
     whole = sampler.generate(model, tok, prompts, 16, 6, 1.0, 1.0, 4096, seeds)

@@ -1,5 +1,5 @@
 """kernels.linear_logprobs (log-probs from hidden states, the logits never whole), the trainer's use
-of it (brorl.response_logprobs, plain_head), and every Triton kernel compiled for real GPUs.
+of it (policy.response_logprobs, plain_head), and every Triton kernel compiled for real GPUs.
 
 Each test asserts against a float64 reference that makes the whole logits (hidden @ W.T, then a
 full log_softmax and torch autograd), or against the logits path of the trainer itself."""
@@ -12,6 +12,7 @@ import torch
 
 from tools import bench_kernels
 import brorl
+from lib import policy
 import kernels
 from kernels import linear_logprobs
 
@@ -193,7 +194,7 @@ def test_bad_inputs_raise_value_error():
 
 
 # ----------------------------------------------------------------------------
-# The trainer: brorl.response_logprobs takes hidden states to linear_logprobs
+# The trainer: policy.response_logprobs takes hidden states to linear_logprobs
 
 
 def _tiny_lm(tied, cls_name="Qwen2", **extra):
@@ -214,24 +215,24 @@ def _tiny_lm(tied, cls_name="Qwen2", **extra):
 def test_plain_head_detection():
     for tied in (False, True):
         model, _ = _tiny_lm(tied)
-        assert brorl.plain_head(model) is model.get_output_embeddings().weight
-        assert (brorl.plain_head(model) is model.get_input_embeddings().weight) == tied
+        assert policy.plain_head(model) is model.get_output_embeddings().weight
+        assert (policy.plain_head(model) is model.get_input_embeddings().weight) == tied
     cohere, _ = _tiny_lm(True, "Cohere", logit_scale=0.25)  # logits = (h @ W.T) * 0.25
-    assert brorl.plain_head(cohere) is None
+    assert policy.plain_head(cohere) is None
     for key, value in [("final_logit_softcapping", 30.0), ("logits_scaling", 8.0)]:
         model, _ = _tiny_lm(False)
         setattr(model.config, key, value)
-        assert brorl.plain_head(model) is None, key
+        assert policy.plain_head(model) is None, key
         setattr(model.config, key, 1.0 if key == "logits_scaling" else None)  # the identity
-        assert brorl.plain_head(model) is not None, key
+        assert policy.plain_head(model) is not None, key
     model, _ = _tiny_lm(False)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
-    assert brorl.plain_head(model) is None
+    assert policy.plain_head(model) is None
 
 
 def _batch(model, tok, n=4):
     ro = brorl.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
-    return brorl.pack_groups([(ro, g, None) for g in range(3)])
+    return policy.pack_groups([ro.group(g) for g in range(3)])
 
 
 def _full_forward_logprobs(model, batch, temperature):
@@ -252,7 +253,7 @@ def test_response_logprobs_equal_a_full_forward(cls_name, extra):
     model, _ = _tiny_lm(True, cls_name, **extra)
     model.eval()
     with torch.no_grad():
-        logp = brorl.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 0.8)
+        logp = policy.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 0.8)
         ref = _full_forward_logprobs(model, batch, 0.8)
     torch.testing.assert_close(logp.double(), ref, atol=2e-5, rtol=0)
 
@@ -277,11 +278,11 @@ def test_training_with_it_equals_training_on_logits(tied, monkeypatch):
         brorl.update_policy(m, ref, opt, batch, adv, cfg, torch.Generator().manual_seed(0))
         return [p.detach() for p in m.parameters()]
     calls = []
-    real = brorl.linear_logprobs
-    monkeypatch.setattr(brorl, "linear_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = policy.linear_logprobs
+    monkeypatch.setattr(policy, "linear_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused = one_step()
     assert calls  # the hidden-state path was taken
-    monkeypatch.setattr(brorl, "plain_head", lambda model: None)
+    monkeypatch.setattr(policy, "plain_head", lambda model: None)
     plain = one_step()
     start = [p.detach().double() for p in model.parameters()]
     for a, b, s in zip(fused, plain, start):

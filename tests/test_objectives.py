@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import brorl
+from lib import objectives, policy
 import data
 
 
@@ -45,7 +46,7 @@ def test_gspo_matches_the_papers_sequence_objective():
         return -total / x.shape[0]
 
     def ours(x):
-        loss, _ = brorl.gspo_token_loss(x, old, adv, mask, lo, hi)
+        loss, _ = objectives.gspo_token_loss(x, old, adv, mask, lo, hi)
         return (loss * brorl.loss_weights(mask, "sequence")).sum()
 
     (v_ref, g_ref), (v, g) = _grad(paper, logp), _grad(ours, logp)
@@ -72,7 +73,7 @@ def test_cispo_matches_the_papers_token_objective():
         return -total / n
 
     def ours(x):
-        loss, _ = brorl.cispo_token_loss(x, old, adv, hi)
+        loss, _ = objectives.cispo_token_loss(x, old, adv, hi)
         return (loss * brorl.loss_weights(mask, "token")).sum()
 
     (v_ref, g_ref), (v, g) = _grad(paper, logp), _grad(ours, logp)
@@ -107,7 +108,7 @@ def test_micro_batching_changes_memory_not_the_gradient(tmp_path, loss, agg):
     Qwen2ForCausalLM(mc).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="brorl").eval()
     ro = brorl.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
-    batch = brorl.pack_groups([(ro, g, None) for g in range(2)])
+    batch = policy.pack_groups([ro.group(g) for g in range(2)])
     adv = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
 
     def update(micro_batch):
@@ -137,12 +138,12 @@ def test_max_variance_subset_is_the_max_over_all_subsets(binary):
     N = 8
     r = torch.randint(0, 2, (6, N), generator=g).float() if binary else torch.randn(6, N, generator=g)  # (G, N)
     for m in (2, 3, 5, N):
-        keep = brorl.max_variance_subset(r, m)  # (G, m)
+        keep = objectives.max_variance_subset(r, m)  # (G, m)
         assert keep.shape == (6, m) and (keep.diff(1) > 0).all()  # distinct, ascending
         for i in range(6):
             best = max(r[i, list(c)].var(unbiased=False).item() for c in itertools.combinations(range(N), m))
             assert r[i, keep[i]].var(unbiased=False).item() == pytest.approx(best, abs=1e-6)
-    assert torch.equal(brorl.max_variance_subset(r, N), torch.arange(N).expand(6, N))  # m = N: all, in order
+    assert torch.equal(objectives.max_variance_subset(r, N), torch.arange(N).expand(6, N))  # m = N: all, in order
 
 
 def test_pack_groups_keeps_the_chosen_rows(tmp_path):
@@ -151,12 +152,11 @@ def test_pack_groups_keeps_the_chosen_rows(tmp_path):
     ro = brorl.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
                         logp=-torch.rand(6, 2), entropy=torch.rand(6, 2), truncated=torch.zeros(6, dtype=torch.bool),
                         texts=[""] * 6, n=3)
-    kept = [(ro, 0, None), (ro, 1, None)]
-    full = brorl.pack_groups(kept)
-    sub = brorl.pack_groups(kept, keep=torch.tensor([[0, 2], [1, 2]]))
+    full = policy.pack_groups([ro.group(0), ro.group(1)])
+    sub = policy.pack_groups([ro.group(g, keep) for g, keep in enumerate(torch.tensor([[0, 2], [1, 2]]))])
     assert torch.equal(sub["resp"], ro.tokens[[0, 2, 4, 5]]) and torch.equal(sub["sampler_logp"], ro.logp[[0, 2, 4, 5]])
-    assert sub["group"].tolist() == [0, 0, 1, 1]
-    same = brorl.pack_groups(kept, keep=torch.arange(3).expand(2, 3))
+    assert sub["group"].tolist() == [0, 0, 1, 1] and sub["lengths"].shape == (2, 2)
+    same = policy.pack_groups([ro.group(g, torch.arange(3)) for g in range(2)])
     assert all(torch.equal(full[k], same[k]) for k in full if torch.is_tensor(full[k]))
 
 

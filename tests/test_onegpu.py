@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
+from lib import policy
 import data
 
 
@@ -46,11 +47,11 @@ def test_bf16_forwards_never_see_weights_older_than_the_last_step(tmp_path, monk
 
 def _embedded_batch(n=16, prompts=3, seed=0):
     """Rollouts of the embedded model packed as a training batch, and the model (train mode)."""
-    model, tok = brorl.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
+    model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     examples = data.load_task("arith", "train", n=prompts, seed=seed)
     ro = brorl.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
                         torch.Generator().manual_seed(seed))
-    return model.train(), brorl.pack_groups([(ro, g, None) for g in range(prompts)])
+    return model.train(), policy.pack_groups([ro.group(g) for g in range(prompts)])
 
 
 def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
@@ -66,11 +67,11 @@ def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
     def grads():
         model.zero_grad(set_to_none=True)
         calls[0] = 0
-        (brorl.response_logprobs(model, batch, rows, 0.8) * weights).sum().backward()
+        (policy.response_logprobs(model, batch, rows, 0.8) * weights).sum().backward()
         return [p.grad.clone() for p in model.parameters()], calls[0]
 
     plain, plain_calls = grads()
-    brorl.enable_grad_ckpt(model)
+    policy.enable_grad_ckpt(model)
     ckpt, ckpt_calls = grads()
     assert ckpt_calls == 2 * plain_calls  # prompt pass + response pass, each replayed once
     for a, b in zip(plain, ckpt):
@@ -99,7 +100,7 @@ def test_kv_cache_is_stored_in_the_compute_dtype(monkeypatch, dtype):
         return out
 
     monkeypatch.setattr(sampler.SharedPrefixCache, "update", spy)
-    model, tok = brorl.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
+    model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
         ro = sampler.generate(model, tok, ["12+34=", "5+6="], 4, 6, 1.0, 1.0, 64, torch.Generator().manual_seed(0))
     assert seen == {dtype} and ro.tokens.device.type == "cpu"
@@ -155,7 +156,7 @@ def test_decode_loop_syncs_with_the_host_once_per_token(monkeypatch):
 
 def test_texts_are_each_rows_real_tokens():
     """Only each row's real tokens are decoded: the same texts as decoding the padded matrix."""
-    model, tok = brorl.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
+    model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     ro = sampler.generate(model, tok, ["123+456=", "7+8="], 32, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(2))
     padded = tok.batch_decode(ro.tokens.masked_fill(~ro.mask, tok.pad_token_id), skip_special_tokens=True)
     assert ro.texts == padded and len(set(ro.texts)) > 1

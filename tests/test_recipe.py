@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
+from lib import config, harness, policy
 import data
 import sampler
 import verify
@@ -65,7 +66,7 @@ def test_batch_norm_needs_lengths():
 
 def _batch(model, tok, n=6, seed=5):
     ro = brorl.generate(model, tok, PROMPTS[:3], n, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(seed))
-    return brorl.pack_groups([(ro, g, None) for g in range(3)])
+    return policy.pack_groups([ro.group(g) for g in range(3)])
 
 
 def _update(model, batch, **cfg_kw):
@@ -82,7 +83,7 @@ def test_drift_and_tis_weight_are_one_in_float32(random_lm):
     info = _update(model, batch, old_logp="recompute")  # a trainer forward, in float32: the same numbers
     assert 0 <= info["drift_max"] < 1e-5 and info["drift_mean"] <= info["drift_max"]
     with torch.no_grad():
-        old = brorl.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 1.0)  # (R, T)
+        old = policy.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 1.0)  # (R, T)
     w = brorl.tis_weight(old, batch["sampler_logp"], 2.0)[batch["resp_mask"]]
     assert (w - 1).abs().max() < 1e-5
     assert _update(model, batch, old_logp="sampler")["drift_max"] == 0.0  # the sampler's: 0 by construction
@@ -224,14 +225,14 @@ def test_the_real_math_verify_accepts_what_the_rules_cannot():
 
 def test_verifier_flag_defaults_to_the_papers_when_installed(fake_math_verify):
     math_task = f"math:{data.MATH_SAMPLE}"
-    assert brorl.pick_verifier(brorl.Config(task=math_task)) == "both"
-    assert brorl.pick_verifier(brorl.Config(task=math_task, verifier="math_verify")) == "math_verify"
-    assert brorl.pick_verifier(brorl.Config(task="arith", verifier="both")) == "rules"  # arith: its own rule
+    assert harness.pick_verifier(brorl.Config(task=math_task)) == "both"
+    assert harness.pick_verifier(brorl.Config(task=math_task, verifier="math_verify")) == "math_verify"
+    assert harness.pick_verifier(brorl.Config(task="arith", verifier="both")) == "rules"  # arith: its own rule
 
 
 def test_verifier_flag_without_math_verify(no_math_verify, tmp_path, capsys):
     math_task = f"math:{data.MATH_SAMPLE}"
-    assert brorl.pick_verifier(brorl.Config(task=math_task)) == "rules"
+    assert harness.pick_verifier(brorl.Config(task=math_task)) == "rules"
     out = tmp_path / "run"
     code, err = run_in_process(capsys, "--task", math_task, "--verifier", "both", "--out", str(out))
     assert code == 2 and err.strip() == "error: --verifier both: needs the math-verify package (pip install math-verify)"
@@ -269,7 +270,8 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
     def fake_generate(model, tok, prompts, n, *args):
         asked.append(len(prompts))
         R = len(prompts) * n
-        return types.SimpleNamespace(prompt_ids=[[1]] * len(prompts), n=n, mask=torch.ones(R, 2, dtype=torch.bool))
+        return types.SimpleNamespace(prompt_ids=[[1]] * len(prompts), n=n, mask=torch.ones(R, 2, dtype=torch.bool),
+                                     truncated=torch.zeros(R, dtype=torch.bool))
 
     monkeypatch.setattr(brorl, "generate", fake_generate)
     monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
@@ -283,7 +285,7 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
 def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
     model, tok = random_lm
     ro = brorl.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
-    batch = brorl.pack_groups([(ro, g, None) for g in range(2)])  # R = 10 rows
+    batch = policy.pack_groups([ro.group(g) for g in range(2)])  # R = 10 rows
     seen, weights = [], brorl.loss_weights
     monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg, *a: (seen.append(len(mask)), weights(mask, agg, *a))[1])
     _update(model, batch, n_minibatches=n_minibatches)
@@ -291,8 +293,8 @@ def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
 
 
 def test_training_refuses_top_p_below_one():
-    assert brorl.check_config(brorl.Config()) == ""
-    assert brorl.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
+    assert config.check_config(brorl.Config()) == ""
+    assert config.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
 
 
 # ----------------------------------------------------------------------------
@@ -337,8 +339,8 @@ def test_model_revision_is_split_from_a_hub_id(tmp_path):
 
 def test_paper_plan_runs_offline_from_a_config_only_model(tmp_path, capsys):
     model = paper_shaped_model(tmp_path)
-    brorl.train(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
-                                    "--memory_gb", "72", "--dtype", "bfloat16", "--plan"]))
+    harness.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
+                                     "--memory_gb", "72", "--dtype", "bfloat16", "--plan"]))
     out = capsys.readouterr().out
     assert "memory plan per rank (1 process(es)" in out and "time per step on one H100" in out  # one GPU
     assert "memory plan per rank (8 process(es)" in out and "time per step on 8 x one H100" in out  # per rank on 8

@@ -14,6 +14,7 @@ tensors that exist before the phase (weights, AdamW state, reference policy).
       --grad_ckpt 1 --n_rollouts 8 --prompts_per_step 1 --max_new_tokens 64 --eval_prompts 2 --eval_samples 4
 """
 
+import dataclasses
 import json
 import random
 
@@ -21,8 +22,8 @@ import torch
 
 import brorl
 import data
-from lib import planner
 import sampler
+from lib import harness, planner, policy
 
 
 def existing_bytes(model, ref_model, opt) -> int:
@@ -53,15 +54,15 @@ def check(cfg) -> dict:
     device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(cfg.seed)
     train_set = data.load_task(cfg.task, "train", seed=cfg.seed, digits=cfg.digits)
-    model, tok = brorl.load_policy(cfg.model, device)
+    model, tok = policy.load_policy(cfg.model, device)
     if cfg.grad_ckpt:
-        brorl.enable_grad_ckpt(model)
+        policy.enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
-    cfg = dataclasses_replace(cfg, verifier=brorl.pick_verifier(cfg))
+    cfg = dataclasses.replace(cfg, verifier=harness.pick_verifier(cfg))
     prompt_tokens = max(len(sampler.encode_prompt(tok, e["prompt"]))
                         for e in random.Random(cfg.seed).sample(train_set, min(256, len(train_set))))
     est = planner.peaks(planner.plan(model.config, cfg, prompt_tokens))
-    ref = brorl.copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    ref = policy.make_reference(model) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen, gen_cpu = torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0)
     rng = random.Random(cfg.seed)
@@ -74,25 +75,19 @@ def check(cfg) -> dict:
     model.eval()
 
     def rollout():
-        with brorl.autocast(cfg, device):
-            ro = brorl.generate(model, tok, prompts, cfg.n_rollouts, cfg.max_new_tokens, cfg.temperature,
+        with policy.autocast(cfg, device):
+            ro = sampler.generate(model, tok, prompts, cfg.n_rollouts, cfg.max_new_tokens, cfg.temperature,
                                 cfg.top_p, cfg.max_rows, gen)
-            brorl.generate(model, tok, prompts[: cfg.eval_prompts], cfg.eval_samples, cfg.max_new_tokens, 0.6, 0.95,
+            sampler.generate(model, tok, prompts[: cfg.eval_prompts], cfg.eval_samples, cfg.max_new_tokens, 0.6, 0.95,
                            cfg.max_rows, gen)
         return ro
     ro, roll = peak(rollout, device, base)
-    kept = [(ro, g, None) for g in range(cfg.prompts_per_step)]
-    batch = brorl.pack_groups(kept, device)
+    batch = policy.pack_groups([ro.group(g) for g in range(cfg.prompts_per_step)], device)
     adv = torch.randn(batch["resp"].shape[0], generator=gen_cpu).to(device)
     model.train()
-    del ro, kept
+    del ro
     _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device, base)
     return {"rollout": (est["rollout"], roll), "update": (est["update"], upd)}
-
-
-def dataclasses_replace(cfg, **kw):
-    import dataclasses
-    return dataclasses.replace(cfg, **kw)
 
 
 if __name__ == "__main__":

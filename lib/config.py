@@ -1,0 +1,172 @@
+"""
+config.py: the command line. Every field of brorl.py's Config is a --flag (its source comment the
+--help); presets are named bundles of overrides applied before the flags given; --resume starts from a
+run's own config.json; check_config names the first thing wrong with a config in one line; fail() stops
+with such a line. It imports nothing of ours but the embedded models' paths (data.py), the verifiers'
+names (verify.py) and the process count (distributed.py).
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import data
+import verify
+from lib import distributed
+
+
+def fail(msg: str):
+    """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------
+# The command line: every field of the Config dataclass is a --flag, its source comment the --help
+
+
+def field_help(config_cls) -> dict:
+    """--help text for each field: the comment that follows it in the Config source."""
+    src = inspect.getsource(config_cls)
+    return dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", src, flags=re.M))
+
+
+def parse_bool(s: str) -> bool:
+    if s.lower() in ("1", "true", "yes", "0", "false", "no"):
+        return s.lower() in ("1", "true", "yes")
+    raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
+
+
+def parse_config(config_cls, description: str, argv=None, presets=None):
+    """Config from the command line: the preset's overrides, then the flags given. With --resume, the
+    run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
+    FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is refused, as
+    it could not take effect; then check_config."""
+    presets = PRESETS if presets is None else presets
+    parser = argparse.ArgumentParser(description=description)
+    helps = field_help(config_cls)
+    for f in dataclasses.fields(config_cls):
+        # default=None marks "not given", so that a preset never overrides an explicit flag; the
+        # help shows the real default (Config's), which a preset may change
+        text = helps.get(f.name, "")
+        if f.name == "preset":  # the names from the presets themselves, so the help never falls behind
+            text += f"; one of {', '.join(presets)}"
+        text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
+        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
+        parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
+                            metavar=f.type.__name__.upper())
+    args = vars(parser.parse_args(argv))
+    overrides = {k: v for k, v in args.items() if v is not None}
+    preset = overrides.get("preset", "")
+    if preset and preset not in presets:
+        parser.error(f"--preset {preset!r}: unknown (choose from {sorted(presets)})")
+    base = presets.get(preset, {})
+    if overrides.get("resume"):
+        run = Path(overrides["resume"])
+        for need in (run / "config.json", run / "ckpt" / "trainer_state.pt"):
+            if not need.is_file():
+                parser.error(f"--resume {run}: no checkpoint to resume ({need} is missing)")
+        if Path(overrides.get("out", run)) != run:
+            parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
+        if preset:
+            parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
+        base = json.loads((run / "config.json").read_text())
+        if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
+            parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
+        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
+        for name in FIXED_ON_RESUME:
+            if name in overrides and overrides[name] != base.get(name, defaults[name]):
+                parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
+                             f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
+        overrides["out"] = str(run)
+    cfg = config_cls(**{**base, **overrides})
+    problem = check_config(cfg)
+    if problem:
+        parser.error(problem)
+    return cfg
+
+
+# Presets are named bundles of overrides, never a second source of defaults.
+PRESETS = {
+    # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
+    "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
+    # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch to
+    # fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting points.
+    # A 0.5B instruct model on grade-school math
+    "gsm8k-0.5b": dict(model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k:openai/gsm8k:main", n_rollouts=256, prompts_per_step=16,
+                       max_new_tokens=512, lr=1e-6, n_minibatches=4, grad_ckpt=True, steps=200, eval_every=25,
+                       eval_prompts=256, eval_samples=16),
+    # A 1.5B reasoning model on DeepScaleR's competition math, 4k-token responses
+    "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
+                      n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
+                      grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
+    # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub repository
+    # below at its v2 revision (pin the revision with --model id@revision; BroRL's own result is the
+    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts x 16k tokens a step, on 64 GPUs. lr: ProRL v2's
+    # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
+    # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
+    # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
+    # top_p 0.95 (brorl.evaluate), 32k tokens. A multi-GPU job: on one 80 GB GPU even one row's update
+    # does not fit (the step's (rows, T) tensors alone are 29 GB); on 8 it fits with --grad_ckpt (--plan)
+    "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
+                  n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200, eval_every=25,
+                  eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
+}
+
+
+# Flags that --resume cannot change: the checkpoint's restored state decides them (the random streams
+# drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
+# The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
+FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
+                   "init_from", "init_optimizer")
+
+
+def check_config(cfg) -> str:
+    """The first thing wrong with cfg, as one line naming the flag, or ''."""
+    checks = [
+        (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
+        (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
+        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts,
+         f"--train_rollouts {cfg.train_rollouts}: need 2 <= m <= N = {cfg.n_rollouts} (0: all N)"),
+        (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
+        # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a
+        # policy gradient through the nucleus's cut); the loss uses the full softmax's: refuse, do not bias
+        (cfg.top_p == 1, f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
+                         "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
+        (cfg.adv_norm in ("batch", "response", "group", "none"),
+         f"--adv_norm {cfg.adv_norm!r}: choose batch, response, group or none"),
+        (cfg.loss in ("ppo", "gspo", "cispo"), f"--loss {cfg.loss!r}: choose ppo, gspo or cispo"),
+        (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0, "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
+        (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
+        (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
+        (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
+        (cfg.loss_agg in ("token", "sequence", "constant"), f"--loss_agg {cfg.loss_agg!r}: choose token, sequence or constant"),
+        (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
+        (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
+        (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
+        (cfg.dtype in ("auto", "float32", "bfloat16"), f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
+        (cfg.steps >= 0 and cfg.eval_every >= 1, "--steps must be >= 0 and --eval_every >= 1"),
+        (cfg.max_rounds >= 1, f"--max_rounds {cfg.max_rounds}: need >= 1"),
+        (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1, "--eval_prompts and --eval_samples must be >= 1"),
+        (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
+        (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
+        (not (cfg.init_from and cfg.resume), "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+        (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
+        (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
+        (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
+        (cfg.lora_rank == 0 or distributed.world_size() == 1, "--lora_rank: LoRA runs on one process (not under torchrun)"),
+        (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
+        (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
+        # each step's first round asks for at least B prompts: B / K of them, at least, on every rank
+        (cfg.prompts_per_step % distributed.world_size() == 0, f"--prompts_per_step {cfg.prompts_per_step}: "
+         f"must be a multiple of the {distributed.world_size()} processes (each samples its share of the prompts)"),
+    ]
+    return next((msg for ok, msg in checks if not ok), "")

@@ -1,7 +1,7 @@
 """
 data.py: what a prompt is. The embedded arithmetic task, the embedded tiny model that is
 warm-started on it, and load_task, the one entry point for every task: real datasets are read by
-schema in tasks.py, the only module of ours this one imports.
+schema in lib/tasks.py, the only module of ours this one imports.
 
 The embedded task, "arith" (a toy model of RLVR):
   prompt "123+456=", completion "579" then EOS, gold answer "579" (verify.py task "arith").
@@ -136,7 +136,7 @@ def classify(a: int, b: int, completion: str) -> str:
 
 def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits: int = 3) -> list[dict]:
     """Examples dict(prompt, answer, task) for task "arith" or "<schema>:<source>" (gsm8k:, math:;
-    tasks.py reads them). split "train" or "test" is held out by a hash of the problem text (for a
+    lib/tasks.py reads them). split "train" or "test" is held out by a hash of the problem text (for a
     dataset, of all its rows: one file, or one hub split); "all" is every row of a dataset (a
     separate held-out source, --eval_task). n=None: every row of the split, or ARITH_DEFAULT_N
     arith problems; else n drawn with `seed`."""

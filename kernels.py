@@ -27,7 +27,7 @@ token_logprobs(hidden @ weight.T, targets) returns, with gradients for hidden an
 the logits one chunk of positions at a time (LINEAR_CHUNK_BYTES) and drops them; its backward makes
 each chunk's logits again (the upstream gradient of a log-prob is only known after the forward).
 
-Measured in `python bench_kernels.py`: the correctness summary, the kernels compiled for
+Measured in `python -m tools.bench_kernels`: the correctness summary, the kernels compiled for
 sm_80 / sm_90 (registers, spills, occupancy), the memory/speed tables and an opt-in tuning sweep.
 """
 
@@ -67,7 +67,7 @@ REF_DTYPES = KERNEL_DTYPES + (torch.float64,)  # float64: the reference is also 
 # 8 rows per program gives R/8 programs (1024 at R = 8192: several per SM of an H100/H200's 132)
 # and is what keeps the CPU interpreter fast (it pays per program and per op, not per element);
 # 1024 columns = 2 KiB of bf16 per row per step, 8K fp32 values per tile = 32 per thread at
-# 8 warps. Chosen by reasoning, not yet measured on a GPU: `python bench_kernels.py --tune` sweeps
+# 8 warps. Chosen by reasoning, not yet measured on a GPU: `python -m tools.bench_kernels --tune` sweeps
 # a few alternatives on the GPU at hand (autotuning is opt-in, never on by default).
 BLOCK_R, BLOCK_V, NUM_WARPS = 8, 1024, 8
 # The reference works on chunks of ~4M elements (16 MiB in fp32) so it, too, never makes a full

@@ -7,7 +7,10 @@ Citation formats (strict, so that they can be checked):
   [text](path#anchor)     a Markdown link in README.md, NOTES.md, docs/*.md: the file, and the heading
   `path`                  a backticked repository path in the docs (`tests/`, `assets/tiny-arith`, `kernels.py`)
   `module.name`           a backticked function or constant of one of our modules: it exists
-  python X.py / bash X    a command in the docs: X exists (python -m tools.X: the tool exists)
+  python X.py / bash X.sh a command anywhere in the shipped text (docs, docstrings, comments, CI
+                          scripts): the path exists as written, from the repository root
+                          (`python bench.py` fails: the file is tools/bench.py); python -m tools.X
+                          and python -m lib.X: tools/X.py, lib/X.py; torchrun [flags] X.py: X.py
   `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
                           of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
   `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
@@ -48,9 +51,9 @@ def import_module(name: str):
 
 def text_files(root: Path) -> list:
     """Every file whose text ships: code, CI scripts, docs."""
-    files = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("*.md"), *root.glob("tests/*.py"),
-             *root.glob("lib/*.py"), *root.glob("tools/*.py"), *root.glob(".ci/*"), *root.glob("docs/*.md"),
-             *root.glob("assets/**/*.md")]
+    files = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("*.md"), *root.glob("*.txt"), *root.glob("*.ini"),
+             *root.glob("tests/*.py"), *root.glob("lib/*.py"), *root.glob("tools/*.py"), *root.glob("tools/*.sh"),
+             *root.glob(".ci/*"), *root.glob("docs/*.md"), *root.glob("assets/**/*.md")]
     return sorted(f for f in files if f.is_file())
 
 
@@ -116,24 +119,15 @@ def link_problems(root: Path) -> list:
 
 
 def path_problems(root: Path) -> list:
-    """Backticked repository paths and `python X.py` / `python -m tools.X` / `bash X` commands in the
-    docs exist. A backticked path counts when it names a module (x.py, x.sh, x.md: at the top or in
-    one of FOLDERS) or starts with a folder the repository has; run outputs (`runs/...`,
-    `metrics.jsonl`) are not repository paths; a pattern (`bench*.py`) is not checked."""
+    """Backticked repository paths in the docs exist. A backticked path counts when it names a module
+    (x.py, x.sh, x.md: at the top or in one of FOLDERS, so `harness.py` is lib/harness.py) or starts
+    with a folder the repository has; run outputs (`runs/...`, `metrics.jsonl`) are not repository
+    paths; a pattern (`bench*.py`) is not checked. Commands: command_problems."""
     problems = []
     folders = {p.name for p in root.iterdir() if p.is_dir()}
-    # python X.py, bash X.sh, bash .ci/X; python -m tools.x (tools.NAME, in capitals, is a placeholder)
-    command = re.compile(r"(?:python|bash)\s+((?:\.ci/)?[\w.-]+\.(?:py|sh)|\.ci/\w+)|python\s+-m\s+tools\.([a-z]\w*)")
-
-    def missing(cmd, tool):
-        return not find(root, f"{tool}.py") if tool else not ((root / cmd).exists() or find(root, cmd))
-
     for doc in DOCS:
         md = (root / doc).read_text()
         for span in re.findall(r"`([^`\n]+)`", md):
-            for cmd, tool in command.findall(span):
-                if missing(cmd, tool):
-                    problems.append(f"{doc}: command names {cmd or 'tools.' + tool}, which does not exist")
             if " " in span or "<" in span or "*" in span:
                 continue
             top = span.split("/")[0]
@@ -142,10 +136,32 @@ def path_problems(root: Path) -> list:
                 problems.append(f"{doc}: `{span}` does not exist")
             elif "/" in span and top in folders and not (root / span).exists():
                 problems.append(f"{doc}: `{span}` does not exist")
-        for line in "\n".join(FENCE.findall(md)).splitlines():
-            if m := command.match(line):
-                if missing(*m.groups()):
-                    problems.append(f"{doc}: command names {m[1] or 'tools.' + m[2]}, which does not exist")
+    return problems
+
+
+# A command as a reader would type it from the repository root: python X.py, python tools/x.py,
+# bash X.sh, bash .ci/X, torchrun [flags] X.py (the path, as written); python -m tools.x or lib.x (the
+# module's file; tools.X, in capitals, is a placeholder). python -m pytest, venv, ...: not ours.
+COMMAND = re.compile(r"\b(?:python3?|bash)\s+((?:[\w.-]+/)*[\w.-]+\.(?:py|sh)|\.ci/\w+)(?![\w/])"
+                     r"|\bpython3?\s+-m\s+((?:tools|lib)\.[a-z]\w*)\b"
+                     r"|\btorchrun\s+(?:--[\w-]+(?:=\S+)?\s+)*([\w./-]+\.py)\b")
+
+
+def command_problems(root: Path) -> list:
+    """Every command in the shipped text (the docs, the code's docstrings, --help and comments, the CI
+    scripts) names a file that exists where the command says: `python bench.py` fails, the file being
+    tools/bench.py (`python -m tools.bench`), though `bench.py` alone in prose finds it."""
+    problems = []
+    for f in text_files(root):
+        if f.name == "test_docs.py":  # its own examples, placeholders and broken cases
+            continue
+        for lineno, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            for m in COMMAND.finditer(line):
+                path, module, launched = m.groups()
+                target = path or launched or module.replace(".", "/") + ".py"
+                if not (root / target).is_file():
+                    problems.append(f"{f.relative_to(root)}:{lineno}: `{m.group(0)}`: no file {target} "
+                                    f"(commands run from the repository root)")
     return problems
 
 
@@ -178,6 +194,8 @@ def program_flags(root: Path) -> set:
     dataclasses that are flags (brorl's Config; data.py's WarmStart, `python data.py build`)."""
     flags = set(config_defaults()) | {f.name for f in dataclasses.fields(data.WarmStart)}
     for f in [*root.glob("*.py"), *root.glob("lib/*.py"), *root.glob("tools/*.py")]:
+        if f.name.startswith("test_"):  # test_brorl.py at the top: a test's "--x" is no flag of ours
+            continue
         src = f.read_text()
         flags |= set(re.findall(r"""["']--([a-zA-Z][\w-]*)["']""", src))
         flags |= {"no-" + x for x in re.findall(r"""add_argument\(\s*["']--([\w-]+)["'][^)]*BooleanOptionalAction""", src)}
@@ -327,8 +345,12 @@ def test_markdown_links_resolve():
     assert link_problems(ROOT) == []
 
 
-def test_paths_and_commands_in_docs_exist():
+def test_paths_in_docs_exist():
     assert path_problems(ROOT) == []
+
+
+def test_commands_in_the_text_run_as_written():
+    assert command_problems(ROOT) == []
 
 
 def test_named_functions_exist():
@@ -384,6 +406,7 @@ def copy_text(tmp_path: Path) -> Path:
 def test_checks_catch_broken_citations(tmp_path):
     root = copy_text(tmp_path)
     assert citation_problems(root) == [] and link_problems(root) == [] and path_problems(root) == []
+    assert command_problems(root) == []
     (root / "x.py").write_text('"""See docs/paper.md §9, NOTES.md#no-such-heading and PAPER.md."""\n')
     found = citation_problems(root)
     assert len(found) == 3, found
@@ -391,8 +414,25 @@ def test_checks_catch_broken_citations(tmp_path):
     readme.write_text(readme.read_text() + "\n[gone](docs/nothing.md) [bad](NOTES.md#nope) `assets/none.bin` "
                       "`python nothere.py` `python -m tools.nothere` `gone.py` `brorl.no_such_function`\n")
     assert len(link_problems(root)) == 2
-    assert len(path_problems(root)) == 4
+    assert len(path_problems(root)) == 2  # assets/none.bin, gone.py
+    assert len(command_problems(root)) == 2  # nothere.py, tools.nothere
     assert len(name_problems(root)) == 1
+
+
+def test_checks_catch_stale_commands(tmp_path):
+    """A command that names a file outside the folder it lives in fails, though the file exists: the
+    programs are in tools/ (python -m tools.X), the machinery in lib/."""
+    root = copy_text(tmp_path)
+    assert command_problems(root) == []
+    readme = root / "README.md"
+    readme.write_text(readme.read_text() + "\n`python bench.py --tiny` and `bash bench_trl.sh`\n\n```bash\n"
+                      "OMP_NUM_THREADS=1 python ablate.py --grid lr=1e-4,2e-4\ntorchrun --standalone harness.py\n```\n")
+    bench = root / "tools" / "bench.py"
+    bench.write_text(bench.read_text().replace("python -m tools.bench --part gpu", "python memcheck.py --part gpu"))
+    found = command_problems(root)
+    stale = ("python bench.py", "bash bench_trl.sh", "python ablate.py", "harness.py", "python memcheck.py")
+    assert len(found) == 5 and all(x in " ".join(found) for x in stale), found
+    assert [x.split(":")[0] for x in found] == ["README.md"] * 4 + ["tools/bench.py"], found
 
 
 def test_checks_catch_wrong_flags_defaults_and_presets(tmp_path):

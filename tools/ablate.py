@@ -36,10 +36,10 @@ with its comment) and sweep it, `--grid my_flag=a,b`. Something that is not a fl
 new sampler) becomes one first: a Config field that selects it, then the grid sweeps that field.
 Nothing here needs to change.
 
-  python ablate.py --grid n_rollouts=16,512 prompts_per_step=8,2 --seeds 0 1 2 \\
+  python -m tools.ablate --grid n_rollouts=16,512 prompts_per_step=8,2 --seeds 0 1 2 \\
       --out runs/ablate/shape --preset hard --time_budget 90 --budget_clock cpu --steps 100000
-  python ablate.py --grid ... --dry_run         # print the runs' commands, run nothing
-  python ablate.py --help
+  python -m tools.ablate --grid ... --dry_run   # print the runs' commands, run nothing
+  python -m tools.ablate --help
 """
 
 import argparse
@@ -385,7 +385,7 @@ def plot_summary(result: dict, path: Path):
 
 def parse_args(argv=None):
     # the docstring is the help, as written (the grid, the layout, equal compute, a new axis)
-    ap = argparse.ArgumentParser(description=__doc__.strip().replace("%", "%%"),
+    ap = argparse.ArgumentParser(prog="python -m tools.ablate", description=__doc__.strip().replace("%", "%%"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)  # so that no brorl flag is taken for an abbreviation of ours
     ap.add_argument("--grid", nargs="+", action="append", default=[], metavar="FLAG=V1,V2",
@@ -436,7 +436,7 @@ def main(argv=None) -> dict:
         sweep(runs, args.jobs, args.threads)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    command = "python ablate.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m tools.ablate " + " ".join(sys.argv[1:] if argv is None else argv)
     result = summarize(runs, out, command, [tuple(p) for p in args.compare])
     table = (out / "summary").with_suffix(".md")
     print(table.read_text())

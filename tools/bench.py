@@ -29,14 +29,14 @@ Parts:
 every part still runs (tests/test_bench.py), not a measurement.
 
 Commands:
-  python bench.py                          # sampler + step on this CPU (fp32, ~2.4M params)
-  python bench.py --part sampler --repeats 5
-  python bench.py --part gpu               # on a CUDA machine
-  python bench.py --part all --tiny        # every CPU part at toy sizes (seconds)
-  python bench.py --part lora              # LoRA decoding, merged or not
-  python bench.py --save DIR               # write the bench model, tokenizer, prompts.json
-  bash bench_trl.sh                        # TRL GRPOTrainer on the same model, in its own venv
-  python bench.py --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with ours
+  python -m tools.bench                    # sampler + step on this CPU (fp32, ~2.4M params)
+  python -m tools.bench --part sampler --repeats 5
+  python -m tools.bench --part gpu         # on a CUDA machine
+  python -m tools.bench --part all --tiny  # every CPU part at toy sizes (seconds)
+  python -m tools.bench --part lora        # LoRA decoding, merged or not
+  python -m tools.bench --save DIR         # write the bench model, tokenizer, prompts.json
+  bash tools/bench_trl.sh                  # TRL GRPOTrainer on the same model, in its own venv
+  python -m tools.bench --part step --trl /tmp/trl-venv/bin/python  # TRL interleaved with ours
 """
 
 import argparse
@@ -240,7 +240,7 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
     common = ["--model_dir", str(path), "--new", str(new), "--micro_batch", str(micro_batch),
               "--steps", str(steps), "--threads", str(threads)]
     runs = {("brorl", n): [sys.executable, "-m", "tools.bench", "--child", *common] for n in ns}
-    if trl_python:  # TRL's GRPOTrainer in its own venv (bench_trl.sh), interleaved with ours
+    if trl_python:  # TRL's GRPOTrainer in its own venv (tools/bench_trl.sh), interleaved with ours
         trl = [trl_python, str(Path(__file__).with_name("bench_trl.py")), *common]
         runs.update({("TRL", n): trl for n in ns})
     res = {k: [] for k in runs}
@@ -328,13 +328,13 @@ def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="brorl speed benchmark")
+    ap = argparse.ArgumentParser(prog="python -m tools.bench", description="brorl speed benchmark")
     ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu", "lora"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see bench_trl.sh)")
+    ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see tools/bench_trl.sh)")
     ap.add_argument("--save", default="", help="only write the bench model to this dir")
     ap.add_argument("--tiny", action="store_true", help="toy sizes and model: checks that a part runs (any device)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one step-part process

@@ -12,10 +12,10 @@ bench_kernels.py: the log-prob kernels of kernels.py measured. Parts (--part, de
                registers per thread, spills, occupancy (ptxas -v)
 
 Commands:
-  python bench_kernels.py                                  # everything, for the device at hand
-  python bench_kernels.py --part correctness
-  python bench_kernels.py --part logprobs --shapes 65536x151936 --compiled_shapes 0
-  python bench_kernels.py --tune                           # GPU: a few launch configs, fwd+bwd ms
+  python -m tools.bench_kernels                            # everything, for the device at hand
+  python -m tools.bench_kernels --part correctness
+  python -m tools.bench_kernels --part logprobs --shapes 65536x151936 --compiled_shapes 0
+  python -m tools.bench_kernels --tune                     # GPU: a few launch configs, fwd+bwd ms
 Figures: NOTES.md.
 """
 
@@ -415,7 +415,7 @@ def _tune(rows=32768, V=151936):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="log-prob kernels: correctness, compiled registers, memory, speed")
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_kernels", description="log-prob kernels: correctness, compiled registers, memory, speed")
     ap.add_argument("--part", default="all", choices=["all", "correctness", "compiled", "logprobs", "linear"],
                     help="correctness: the error table; compiled: ptxas registers/spills (no GPU needed); "
                          "logprobs / linear: memory and speed of token_logprobs / linear_logprobs")

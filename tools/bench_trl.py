@@ -1,6 +1,6 @@
 """
 bench_trl.py: TRL's GRPOTrainer on the bench model, for the side-by-side figure in NOTES.md#speed.
-Runs inside TRL's own venv (bench_trl.sh makes it); imports nothing from brorl.
+Runs inside TRL's own venv (tools/bench_trl.sh makes it); imports nothing from brorl.
 
 One brorl step = 2 prompts x N rollouts, 32 new tokens, 2 optimizer steps (n_minibatches=2),
 micro-batch 64, old log-probs computed once before the update. The TRL equivalent: a generation
@@ -10,8 +10,8 @@ then also computes old log-probs with a separate forward), beta=0 (no reference 
 token-level loss (loss_type "dapo", the default), min_new_tokens=32 so every completion is full
 length. One "step" below is one generation batch, timed from optimizer step to optimizer step.
 
-  bash bench_trl.sh                               # N=512, then N=64
-  /tmp/trl-venv/bin/python bench_trl.py --model_dir DIR --n 512 --steps 3
+  bash tools/bench_trl.sh                         # N=512, then N=64
+  /tmp/trl-venv/bin/python tools/bench_trl.py --model_dir DIR --n 512 --steps 3
 """
 
 import argparse
@@ -63,8 +63,8 @@ class StepTimer(TrainerCallback):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model_dir", required=True, help="dir written by `python bench.py --save DIR`")
+    ap = argparse.ArgumentParser(prog="python tools/bench_trl.py")  # with TRL's venv's python
+    ap.add_argument("--model_dir", required=True, help="dir written by `python -m tools.bench --save DIR`")
     ap.add_argument("--n", type=int, default=512, help="rollouts per prompt (num_generations)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per completion, forced")
     ap.add_argument("--micro_batch", type=int, default=64, help="per_device_train_batch_size")

@@ -17,9 +17,9 @@ The theory needs no language model, so this file stands apart from brorl.py. Rea
    (S, V); each step draws N tokens from softmax(z), centres the +-1 rewards by their batch mean,
    and takes one AdamW step on -(1/N) sum_j rtilde_j p_{k_j} (gradient in closed form).
 3. Plots: the curves per step for the paper's N values, and a sweep of N (log-spaced).
-4. CLI: `python massbalance.py` (about 3 minutes on 2 CPU cores) writes
+4. CLI: `python -m tools.massbalance` (about 3 minutes on 2 CPU cores) writes
    assets/massbalance/{simulation.png, sweep.png, results.json} and prints the final-step table.
-   `python massbalance.py --help` lists the flags; `--no-sweep --steps 200` is a quick look.
+   `python -m tools.massbalance --help` lists the flags; `--no-sweep --steps 200` is a quick look.
 
 What we found: the ordering by N (more draws, more correct mass, every correct token up at
 N = 51200) holds in every setting we tried, but the *fall* at small N comes from AdamW's eps.
@@ -326,7 +326,7 @@ def plot_sweep(q_pos0, summary, p0, correct, path, title):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tools.massbalance", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--vocab", type=int, default=128_000, help="vocabulary size V (paper)")
     ap.add_argument("--n-correct", type=int, default=10_000, help="correct tokens (paper)")

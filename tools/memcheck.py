@@ -1,5 +1,5 @@
 """
-memcheck.py: the memory planner (planner.py) against a measured run. Loads the configuration the
+memcheck.py: the memory planner (lib/planner.py) against a measured run. Loads the configuration the
 flags describe (any brorl.py flag), creates the AdamW state (one step on zero gradients), then measures the
 rollout (the largest chunk the plan assumes: 4B prompts x N rollouts, and the eval's chunk) and
 one update, and prints each phase's estimate beside its measured peak.
@@ -8,15 +8,16 @@ Measured: on CUDA torch.cuda.max_memory_allocated; on a CPU the peak of live ten
 (planner.measure_peak counts every tensor storage from its creation to its release), plus the
 tensors that exist before the phase (weights, AdamW state, reference policy).
 
-  python memcheck.py                                       # the embedded model, default run
+  python -m tools.memcheck                                 # the embedded model, default run
   python data.py rehearsal --out /tmp/rehearsal
-  python memcheck.py --model /tmp/rehearsal --task math:assets/math_sample.jsonl --dtype bfloat16 \\
+  python -m tools.memcheck --model /tmp/rehearsal --task math:assets/math_sample.jsonl --dtype bfloat16 \\
       --grad_ckpt 1 --n_rollouts 8 --prompts_per_step 1 --max_new_tokens 64 --eval_prompts 2 --eval_samples 4
 """
 
 import dataclasses
 import json
 import random
+import sys
 
 import torch
 
@@ -91,6 +92,7 @@ def check(cfg) -> dict:
 
 
 if __name__ == "__main__":
+    sys.argv[0] = "python -m tools.memcheck"  # the name --help's usage line gives the program
     cfg = brorl.parse_config()
     result = check(cfg)
     for phase, (e, m) in result.items():

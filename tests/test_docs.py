@@ -14,7 +14,7 @@ Citation formats (strict, so that they can be checked):
   `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
                           of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
   `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
-  --preset NAME           NAME is in brorl.PRESETS; README's presets table agrees with PRESETS
+  --preset NAME           NAME is in config.PRESETS; README's presets table agrees with PRESETS
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import brorl
+from lib import config
 import data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -256,8 +257,8 @@ def preset_problems(root: Path) -> list:
     problems = []
     for doc in DOCS:
         for name in re.findall(r"--preset[ =]([\w.-]+)", (root / doc).read_text()):
-            if name not in brorl.PRESETS and not name.isupper():  # X, NAME: a placeholder
-                problems.append(f"{doc}: --preset {name}: no such preset (brorl.PRESETS: {sorted(brorl.PRESETS)})")
+            if name not in config.PRESETS and not name.isupper():  # X, NAME: a placeholder
+                problems.append(f"{doc}: --preset {name}: no such preset (config.PRESETS: {sorted(config.PRESETS)})")
     md = (root / "README.md").read_text()
     header = "\n| preset | model | task | N x B | new tokens |"
     table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
@@ -265,10 +266,10 @@ def preset_problems(root: Path) -> list:
     if not rows:
         return problems + ["README.md: no presets table (| preset | model | task | N x B | new tokens |)"]
     for name, rest in rows:
-        if name not in brorl.PRESETS:
+        if name not in config.PRESETS:
             problems.append(f"README.md presets table: {name}: no such preset")
             continue
-        preset, cfg = brorl.PRESETS[name], {**config_defaults(), **brorl.PRESETS[name]}
+        preset, cfg = config.PRESETS[name], {**config_defaults(), **config.PRESETS[name]}
         model, task, nb, tokens = (c.strip() for c in rest.split(" | "))
         for flag, cell in (("model", model), ("task", task)):
             if (flag in preset) if cell.startswith("your") else not same_value(cell, cfg[flag]):
@@ -373,7 +374,7 @@ def test_preset_help_lists_every_preset(capsys):
     except SystemExit:
         pass
     helptext = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert all(name in helptext for name in brorl.PRESETS), helptext
+    assert all(name in helptext for name in config.PRESETS), helptext
 
 
 def test_readme_lists_every_module():

@@ -98,7 +98,7 @@ def test_dr_grpo_constant_normaliser_and_no_std():
 
 @pytest.mark.parametrize("loss,agg", [("gspo", "sequence"), ("cispo", "token"), ("ppo", "constant")])
 def test_micro_batching_changes_memory_not_the_gradient(tmp_path, loss, agg):
-    """As PPO's test in test_brorl.py: any micro-batch size gives the one-shot update, for every objective."""
+    """As PPO's test in tests/test_update.py: any micro-batch size gives the one-shot update, for every objective."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     tok = data.build_tokenizer()
     torch.manual_seed(0)

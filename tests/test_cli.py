@@ -1,0 +1,117 @@
+"""brorl.py's command line: --resume continues a run exactly and refuses what the checkpoint fixes,
+--init_from branches a run, --eval_seed alone draws the held-out problems, bad flags fail with one clear
+line and write nothing, --help documents every flag."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+import brorl
+from lib import config, harness
+import data
+from test_brorl import SMALL, run_in_process
+
+
+def test_resume_continues_the_run_exactly(tmp_path):
+    """4 steps in one go == 2 steps, then --resume to 4 (weights, AdamW, random streams, reference,
+    metrics): a crashed or extended run loses nothing. Exact, as the training is bitwise reproducible."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    # on the CPU: CUDA's index_add_ (an embedding's backward) is not bitwise reproducible
+    common = ["--eval_every", "2", "--kl_coef", "1e-3", "--ref_reset_every", "3", "--device", "cpu", *SMALL]
+    rows_a = brorl.train(brorl.parse_config(["--steps", "4", "--out", str(a), *common]))
+    brorl.train(brorl.parse_config(["--steps", "2", "--out", str(b), *common]))
+    assert (b / "ckpt" / "trainer_state.pt").exists() and not (b / "ckpt.old").exists()
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "4"]))  # the rest from b's config.json
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+    assert [strip(r) for r in rows_b] == [strip(r) for r in rows_a] and len(rows_a) == 5
+    on_disk = [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert on_disk == [0, 1, 2, 3, 4]
+    from safetensors.torch import load_file
+    wa, wb = load_file(a / "ckpt" / "model.safetensors"), load_file(b / "ckpt" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_takes_a_changed_lr_and_refuses_what_the_checkpoint_fixes(tmp_path, capsys):
+    """AdamW's saved param groups would restore the old lr and weight decay over the new flags: the new ones
+    take effect. A flag the restored state decides (the random streams of --seed, the held-out problems)
+    cannot: changing it is refused with one line."""
+    run = tmp_path / "run"
+    brorl.train(brorl.parse_config(["--steps", "1", "--eval_every", "1", "--lr", "2e-4", "--out", str(run), *SMALL]))
+    brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "2", "--lr", "5e-5", "--weight_decay", "0.01"]))
+    groups = torch.load(run / "ckpt" / "trainer_state.pt", weights_only=True)["opt"]["param_groups"]
+    assert {(g["lr"], g["weight_decay"]) for g in groups} == {(5e-5, 0.01)}
+    assert json.loads((run / "config.json").read_text())["lr"] == 5e-5
+    for flag, value in [("--seed", "3"), ("--eval_seed", "2"), ("--probe_prompts", "3")]:
+        code, err = run_in_process(capsys, "--resume", str(run), "--steps", "3", flag, value)
+        assert code == 2 and f"{flag} {value} with --resume {run}: the checkpoint fixes it" in err, err
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]  # untouched
+
+
+def test_init_from_starts_a_new_run_on_the_checkpoints_weights(tmp_path):
+    """--init_from: the policy of a run's checkpoint, step 0, a new run directory; AdamW fresh, or the
+    checkpoint's moments with --init_optimizer (at this run's lr). lr 0 leaves the weights as loaded."""
+    from safetensors.torch import load_file
+    src = tmp_path / "src"
+    brorl.train(brorl.parse_config(["--steps", "2", "--eval_every", "2", "--out", str(src), *SMALL]))
+    for init_optimizer in (False, True):
+        out = tmp_path / f"branch-{init_optimizer}"
+        rows = brorl.train(brorl.parse_config(["--init_from", str(src), "--init_optimizer", str(init_optimizer),
+                                               "--lr", "0", "--steps", "1", "--eval_every", "1", "--out", str(out), *SMALL]))
+        assert [r["step"] for r in rows] == [0, 1]
+        w_src, w_out = load_file(src / "ckpt" / "model.safetensors"), load_file(out / "ckpt" / "model.safetensors")
+        assert all(torch.equal(w_src[k], w_out[k]) for k in w_src)
+        opt = torch.load(out / "ckpt" / "trainer_state.pt", weights_only=True)["opt"]
+        steps = {float(v["step"]) for v in opt["state"].values()}  # AdamW updates each parameter has had
+        assert steps == {2.0 + 4.0 * init_optimizer}  # 2 mini-batches a step; the source made 2 steps and {g["lr"] for g in opt["param_groups"]} == {0.0}
+
+
+def test_eval_set_is_drawn_by_eval_seed_alone():
+    """Runs of every --seed score the same held-out problems (--eval_seed); a seed-0 run's are those
+    that --seed 0 drew before --eval_seed existed."""
+    draw = lambda *a: [e["prompt"] for e in harness.setup(brorl.parse_config([*a, "--eval_prompts", "8"]),
+                                                         str(data.EMBEDDED_MODEL), "--model", with_train_set=False)[3]]
+    before = [e["prompt"] for e in random.Random(1).sample(data.load_task("arith", "test", seed=0), 8)]
+    assert draw("--seed", "0") == draw("--seed", "1") == before
+    assert draw("--seed", "1", "--eval_seed", "1") != before
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--n_rollouts", "1"], "--n_rollouts 1: need N >= 2"),
+    (["--model", "./does/not/exist"], "--model ./does/not/exist: no such directory"),
+    (["--adv_norm", "median"], "--adv_norm 'median'"),
+    (["--old_logp", "trainer"], "--old_logp 'trainer': choose auto, sampler, recompute"),
+    (["--preset", "nope"], "--preset 'nope': unknown"),
+    (["--save", "flase"], "argument --save: 'flase' is not a boolean"),
+    (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: no checkpoint to resume"),
+    (["--init_from", "/nonexistent/run"], "--init_from /nonexistent/run: no such directory"),
+    (["--init_optimizer"], "--init_optimizer loads the AdamW state of --init_from: name one"),
+    (["--task", "math:/nonexistent.jsonl"], "--task math:/nonexistent.jsonl"),
+])
+def test_bad_flags_fail_with_one_clear_line_and_write_nothing(tmp_path, capsys, args, needle):
+    out = tmp_path / "run"
+    code, err = run_in_process(capsys, *args, "--out", str(out), "--steps", "1")
+    assert code != 0 and needle in err, err[-1500:]
+    assert not out.exists()
+
+
+def test_unwritable_out_fails_cleanly(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the run directory's parent should be
+    code, err = run_in_process(capsys, "--out", str(blocker / "run"), "--steps", "1", *SMALL)
+    assert code != 0 and f"--out {blocker / 'run'}: cannot write there" in err
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        brorl.parse_config(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(brorl.Config):
+        assert f"--{f.name}" in text
+    assert set(config.field_help(brorl.Config)) == {f.name for f in dataclasses.fields(brorl.Config)}
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "(default: 512)" in flat and "(default: the embedded tiny model)" in flat  # the real defaults

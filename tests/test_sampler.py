@@ -1,0 +1,118 @@
+"""The sampler (sampler.py through brorl.generate): shared-prefix decoding equals a recompute without
+cache, chunking changes nothing, its log-probs and entropies are the training forward's, no attention row
+is left without a key, top_p keeps the nucleus only."""
+
+import math
+
+import torch
+
+import brorl
+from lib import policy
+import sampler
+from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
+
+
+def greedy_recompute(model, tok, prompt, max_new):
+    """Greedy decoding the slow way: the whole sequence re-run without any cache, every step."""
+    ids = tok(prompt)["input_ids"]
+    start = len(ids)
+    for _ in range(max_new):
+        nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(nxt)
+        if nxt == tok.eos_token_id:
+            break
+    return ids[start:]
+
+
+def test_shared_prefix_greedy_equals_full_recompute(random_lm, monkeypatch):
+    model, tok = random_lm
+    gen = torch.Generator().manual_seed(0)
+    drops, keep = [], sampler.SharedPrefixCache.keep
+    monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: drops.append(len(rows)) or keep(self, rows))
+    ro = brorl.generate(model, tok, PROMPTS, 3, 8, 0.0, 1.0, 4096, gen)
+    assert drops  # finished rows were dropped mid-decode, and the survivors still decode exactly
+    lengths = set()
+    for b, prompt in enumerate(PROMPTS):
+        want = greedy_recompute(model, tok, prompt, 8)
+        for row in range(b * 3, b * 3 + 3):  # all N greedy rollouts of a prompt are identical
+            got = ro.tokens[row][ro.mask[row]].tolist()
+            assert got == want, (prompt, got, want)
+        lengths.add(len(want))
+    assert len(lengths) > 1  # some stop at EOS early, some do not: both paths covered
+
+
+def test_chunked_decoding_equals_one_chunk(random_lm):
+    model, tok = random_lm
+    a = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 4096, torch.Generator())
+    b = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 2, torch.Generator())  # one prompt per chunk
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
+    # N > max_rows: a group's rows are split into parts of 2, 2, 1, each re-prefilling its prompt
+    c = brorl.generate(model, tok, PROMPTS, 5, 6, 0.0, 1.0, 2, torch.Generator())
+    assert torch.equal(c.tokens, a.tokens.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1).reshape(-1, 6))
+    torch.testing.assert_close(c.logp.view(len(PROMPTS), 5, -1), a.logp.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1))
+
+
+def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
+    model, tok = random_lm
+    gen = torch.Generator().manual_seed(1)
+    left, keep = [], sampler.SharedPrefixCache.keep  # rows left per prompt after each drop
+    monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: keep(self, rows) or left.append(
+        torch.bincount(self.row_group, minlength=self.B).tolist()))
+    ro = brorl.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
+    assert any(len(set(c)) > 1 for c in left)  # prompts left with unequal rows: the packed grid was used
+    batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
+    with torch.no_grad():
+        logp, ent = policy.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3, with_entropy=True)
+    assert logp.shape == ro.logp[:, : logp.shape[1]].shape
+    torch.testing.assert_close(logp, ro.logp[:, : logp.shape[1]], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, ro.entropy[:, : ent.shape[1]], atol=2e-5, rtol=0)  # the entropy metric too
+    assert (ent[batch["resp_mask"]] > 0).all() and (ent[~batch["resp_mask"]] == 0).all()
+    assert (logp[batch["resp_mask"]] < 0).all() and (logp[~batch["resp_mask"]] == 0).all()
+
+
+def test_every_attention_row_has_a_key(random_lm):
+    """No query row of any mask the sampler (prefill, decode) or the update builds allows no key: CUDA
+    SDPA kernels have returned NaN for such rows (a CPU returns 0). Prompts of unequal lengths, so
+    that the update's prompt pass is left-padded. Every call's mask is captured at the attention."""
+    from transformers import AttentionInterface
+    model, tok = random_lm
+    seen = []
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        seen.append((attention_mask, key.shape[-2]))
+        return sampler.cascade_attention(module, query, key, value, attention_mask, **kw)
+    AttentionInterface.register("brorl", capture)
+    try:
+        ro = brorl.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
+        n_sampler = len(seen)
+        batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
+        assert not batch["prompt_mask"].all()  # left-padding is there
+        logp = policy.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        logp.sum().backward()
+    finally:
+        AttentionInterface.register("brorl", sampler.cascade_attention)
+    assert 0 < n_sampler < len(seen)
+    kinds = set()
+    for mask, n_keys in seen:
+        if isinstance(mask, sampler.SharedPrefixCache):  # decode: the prompt's keys, then the row's own
+            assert n_keys >= 1  # the row's own current token: never masked
+            kinds.add("decode")
+        elif mask is None:  # plain causal (a prompt alone): every row sees itself
+            kinds.add("causal")
+        else:
+            mask = mask[..., :n_keys]  # (b, 1, q, k), as SDPA slices it
+            allowed = mask if mask.dtype == torch.bool else mask > -math.inf
+            assert allowed.any(-1).all(), "a query row with no allowed key"
+            kinds.add("mask")
+    assert kinds == {"decode", "causal", "mask"}
+    assert torch.isfinite(logp).all() and model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_top_p_samples_only_from_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    u = torch.rand(len(logits), generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # (R,)
+    toks = sampler.pick_tokens(logits, 1.0, 0.7, u)
+    counts = torch.bincount(toks, minlength=4).float() / 4000
+    assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 reaches 0.7: tokens 2, 3 are cut
+    assert abs(counts[0] - 0.5 / 0.8) < 0.03  # renormalised within the nucleus

@@ -1,0 +1,78 @@
+"""The policy update (brorl.update_policy) as engineering: micro-batching changes memory, not the
+gradient; the sampler's log-probs as the old policy give the recompute's update; the gradient is bitwise
+reproducible; --old_logp auto's choice."""
+
+import pytest
+import torch
+
+import brorl
+from lib import policy
+from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
+
+
+def _one_update(model, batch, adv, micro_batch, kl_coef=0.0, old_logp="recompute"):
+    """Parameters after one SGD step (lr 1) of update_policy: equal params <=> equal gradients.
+    In float64, so that what is compared is the normaliser, not fp32 summation order."""
+    m = type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double().train()
+    cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, kl_coef=kl_coef, old_logp=old_logp)
+    ref = type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double() if kl_coef else None
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in m.parameters()]
+    info = brorl.update_policy(m, ref, opt, batch, adv, cfg, torch.Generator().manual_seed(0))
+    return [b - p.detach() for b, p in zip(before, m.parameters())], info
+
+
+def test_micro_batching_changes_memory_not_the_gradient(random_lm):
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
+    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    adv = torch.randn(18, generator=torch.Generator().manual_seed(4))
+    full, info = _one_update(model, batch, adv, micro_batch=18, kl_coef=0.1)
+    for mb in (1, 5):
+        part, _ = _one_update(model, batch, adv, micro_batch=mb, kl_coef=0.1)
+        for a, b in zip(full, part):
+            assert (a - b).norm() <= 1e-6 * a.norm() + 1e-12
+    assert info["max_ratio_dev"] < 1e-5  # one engine: first mini-batch ratio is exactly 1
+
+
+def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
+    """--old_logp sampler (auto's choice in float32) skips a forward over every row; the update and
+    the entropy metric must be the recompute's, up to the rounding between the two forwards."""
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(5))
+    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    adv = torch.randn(18, generator=torch.Generator().manual_seed(6))
+    recomputed, info_r = _one_update(model, batch, adv, micro_batch=7, old_logp="recompute")
+    reused, info_s = _one_update(model, batch, adv, micro_batch=7, old_logp="sampler")
+    for a, b in zip(recomputed, reused):
+        assert (a - b).norm() <= 1e-5 * a.norm() + 1e-12
+    assert info_s["entropy"] == pytest.approx(info_r["entropy"], rel=1e-5)
+    assert 0 < info_s["max_ratio_dev"] < 2e-5  # float64 trainer vs float32 sampler: rounding (as above)
+
+
+def test_training_gradient_is_bitwise_reproducible(random_lm):
+    """Same seed, same gradient, to the bit: a shuffled micro-batch gathers its prompts' keys/values
+    per row, and that gather's backward must sum the N rows' gradients in a fixed order (x[idx]'s
+    backward on a CPU does not: runs drifted apart from their first step)."""
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:2], 256, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(7))
+    batch = policy.pack_groups([ro.group(g) for g in range(2)])
+    rows = torch.randperm(512, generator=torch.Generator().manual_seed(8))[:384]  # both prompts, shuffled
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        policy.response_logprobs(model, batch, rows, 1.0).sum().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    first = grads()
+    assert all(torch.equal(first, grads()) for _ in range(3))
+    model.zero_grad(set_to_none=True)
+
+
+def test_old_logp_auto_recomputes_unless_the_forward_is_float32():
+    fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16()
+    assert policy.uses_sampler_logp(brorl.Config(), fp32)  # float32: the sampler's log-probs
+    assert not policy.uses_sampler_logp(brorl.Config(), bf16)  # bf16 weights: a trainer forward
+    assert not policy.uses_sampler_logp(brorl.Config(dtype="bfloat16"), fp32)  # bf16 autocast: a trainer forward
+    assert policy.uses_sampler_logp(brorl.Config(dtype="bfloat16", old_logp="sampler"), fp32)
+    assert not policy.uses_sampler_logp(brorl.Config(old_logp="recompute"), fp32)

@@ -128,7 +128,7 @@ class Config:
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
     probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike across N
     memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
-    plan: bool = False  # print the memory plan (planner.py) for these flags and exit, loading no weights
+    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading no weights
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given

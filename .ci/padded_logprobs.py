@@ -1,6 +1,6 @@
 """Log-probs of a left-padded batch under each CUDA SDPA backend: finite, and equal to each prompt's
 own unpadded pass. The update's prompt pass left-pads prompts of unequal lengths; a padding position
-attends to itself only (brorl.logprobs_pass), since some CUDA kernels return NaN for a query row
+attends to itself only (lib/policy.py, logprobs_pass), since some CUDA kernels return NaN for a query row
 with no allowed key, which a CPU (zeros there) cannot show. Without CUDA this says so and exits 0
 (--device cpu runs the same comparison on the CPU's one backend, to check the script itself).
 
@@ -15,8 +15,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-import brorl  # noqa: E402
 import data  # noqa: E402
+import sampler  # noqa: E402
+from lib import policy  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: different padding changes the kernels' tiling
 
@@ -42,9 +43,9 @@ def main():
         return 0
     model, tok = tiny_model(device)
     prompts = ["123+45=", "9+1=", "77+123+1+450=", "5"]  # unequal lengths: up to 10 padding positions
-    ro = brorl.generate(model, tok, prompts, 3, 8, 1.0, 1.0, 4096, [1, 2, 3, 4])
-    batch = brorl.pack_groups([(ro, g, None) for g in range(len(prompts))], device)
-    alone = [brorl.pack_groups([(ro, g, None)], device) for g in range(len(prompts))]  # no padding
+    ro = sampler.generate(model, tok, prompts, 3, 8, 1.0, 1.0, 4096, [1, 2, 3, 4])
+    batch = policy.pack_groups([ro.group(g) for g in range(len(prompts))], device)
+    alone = [policy.pack_groups([ro.group(g)], device) for g in range(len(prompts))]  # no padding
     backends = ([SDPBackend.MATH] if device.type == "cpu" else
                 [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION])
     failed = False
@@ -52,8 +53,8 @@ def main():
         for backend in backends:
             try:
                 with sdpa_kernel([backend]), torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                    padded = brorl.response_logprobs(model, batch, torch.arange(len(ro.texts), device=device), 1.0)
-                    own = [brorl.response_logprobs(model, b, torch.arange(3, device=device), 1.0) for b in alone]
+                    padded = policy.response_logprobs(model, batch, torch.arange(len(ro.texts), device=device), 1.0)
+                    own = [policy.response_logprobs(model, b, torch.arange(3, device=device), 1.0) for b in alone]
             except RuntimeError as e:  # e.g. flash attention takes no arbitrary mask: not available here
                 print(f"{str(dtype):15s} {backend.name:20s} not available for these masks ({str(e).splitlines()[0][:80]})")
                 continue

@@ -219,7 +219,9 @@ class Clock:
     def __enter__(self):
         self.wall, self.cpu = time.perf_counter(), time.process_time()
 
-    def __exit__(self, *exc):
+    def __exit__(self, error, *_):
+        if error is not None:  # no collective on the way out of a failure: the other ranks may be inside one
+            return
         self.total["time_train_wall"] += time.perf_counter() - self.wall
         self.total["time_train_cpu"] += time.process_time() - self.cpu
         used = self.total[f"time_train_{self.cfg.budget_clock}"]

@@ -41,8 +41,12 @@ import torch
 # @triton.jit time: triton 3.7 reads TRITON_INTERPRET each time a decorator runs.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton ships for Linux only: elsewhere (a Mac) every call takes the torch reference,
+    import types  # and the kernels below are defined as plain functions that nothing launches
+    triton, tl = types.SimpleNamespace(jit=lambda fn: fn), types.SimpleNamespace(constexpr=int)
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 # But triton.language's own @jit helpers (tl.max, tl.sum, tl.zeros, ...) were decorated when it
@@ -50,7 +54,8 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 # torch.utils.checkpoint import triton), they are compiled-mode functions that raise "Cannot call
 # @triton.jit'd outside of the scope of a kernel" inside an interpreted kernel: re-wrap them.
 # One wrapper per helper, so the interpreter's `combine_fn == tl.standard._sum_combine` holds.
-if triton.knobs.runtime.interpret and isinstance(tl.standard.max, triton.runtime.JITFunction):
+_interpreted = hasattr(triton, "knobs") and triton.knobs.runtime.interpret  # (without triton: False)
+if _interpreted and isinstance(tl.standard.max, triton.runtime.JITFunction):
     from triton.runtime.interpreter import InterpretedFunction
     _wrapped = {}
     for _module in (tl, tl.standard):
@@ -280,6 +285,8 @@ def _row_view(logits):
 def _launch(kernel, logits, *args):
     """Launch kernel over the rows of logits; args: the kernel's arguments after logits_ptr
     up to inv_temp (the launcher fills in R, T_inner, V, strides and the config)."""
+    if not hasattr(triton, "runtime"):
+        raise ValueError("backend='triton' needs triton, which is not installed (it ships for Linux only)")
     if logits.device.type == "cpu" and isinstance(kernel, triton.runtime.JITFunction):
         raise ValueError("backend='triton' on a CPU tensor needs the Triton interpreter: set "
                          "TRITON_INTERPRET=1 before kernels.py is imported, or use a CUDA tensor")

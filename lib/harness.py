@@ -238,6 +238,7 @@ class Run:
         self.model, self.replica, self.tok, self.out, self.resume = model, replica, tok, out, resume
         self.main = distributed.is_main()
         self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
+        self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
 
     def say(self, line: str):
         if self.main:
@@ -251,7 +252,7 @@ class Run:
         """(first step, keep_est, q_start). --resume: where the checkpoint left off (weights, AdamW, the
         reference, every random stream, the metrics logged up to it); --init_from with --init_optimizer:
         its AdamW moments on a new run; else a fresh start (0, 0.5, None)."""
-        self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu  # what checkpoints save
+        self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu
         start, keep_est, q_start = 0, 0.5, None
         if self.resume:
             # generator states must be CPU tensors; the optimizer and the reference move their own to the device
@@ -272,7 +273,6 @@ class Run:
                            self.cfg, f"--init_from {self.cfg.init_from}")
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
-        self.keep_est, self.q_start = keep_est, q_start
         return start, keep_est, q_start
 
     def steps(self, start: int):

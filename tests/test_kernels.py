@@ -160,6 +160,37 @@ def test_interpreter_works_when_triton_was_imported_first():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_without_triton_the_reference_serves_and_a_run_trains(tmp_path):
+    """triton ships for Linux only: where it is absent (a Mac) kernels.py still imports, every auto call
+    takes the torch reference, backend='triton' says what is missing, and brorl.py trains a step."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    root = os.path.dirname(os.path.abspath(kernels.__file__))
+    code = textwrap.dedent(f"""
+        import sys, runpy
+        sys.modules["triton"] = None  # `import triton` now raises ImportError
+        import torch, kernels
+        x, t = torch.randn(3, 100, requires_grad=True), torch.tensor([1, -100, 99])
+        assert torch.equal(kernels.token_logprobs(x, t), kernels.token_logprobs_ref(x, t))
+        kernels.linear_logprobs(torch.randn(2, 3, 8), torch.randn(100, 8), torch.tensor([[1, 2, 3], [4, 5, -100]]))
+        try:
+            kernels.token_logprobs(x, t, backend="triton")
+        except ValueError as e:
+            print(e)
+        sys.argv = ["brorl.py", "--steps", "1", "--eval_every", "1", "--n_rollouts", "8", "--eval_prompts", "2",
+                    "--eval_samples", "2", "--probe_prompts", "1", "--probe_samples", "8", "--save", "0",
+                    "--out", {str(tmp_path)!r}]
+        runpy.run_path("brorl.py", run_name="__main__")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "needs triton, which is not installed" in out.stdout
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 2  # step 0's evaluation and step 1
+
+
 # ----------------------------------------------------------------------------
 # bad input
 

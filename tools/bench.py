@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
 
 import brorl
 import data
@@ -343,8 +344,8 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    brorl.hf_logging.set_verbosity_error()
-    brorl.hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     if args.child:
         return step_child(args)
     if args.save:

@@ -18,16 +18,15 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 # Run as a script (python tools/bench_trl.py), never with the repository root on the import path: brorl's
 # kernels.py would shadow the optional `kernels` package that transformers probes for.
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 

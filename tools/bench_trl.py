@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer
 
 
 def peak_rss_mb() -> float:

@@ -453,12 +453,10 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
 
 
 def train(cfg: Config) -> list:
-    """Evaluate, then --steps steps (or until --time_budget is spent), evaluating, plotting and
-    checkpointing every --eval_every; returns the metrics rows. The machinery is lib/harness.py's."""
+    """Evaluate, then train --steps steps (or until --time_budget), evaluating every --eval_every; the rows."""
     run = harness.start(cfg)  # seeds, processes, data, the policy (LoRA, --grad_ckpt, FSDP), memory plan, run dir
     cfg, model, replica, tok = run.cfg, run.model, run.replica, run.tok
-    # the KL's reference: a frozen copy of the starting policy (with LoRA: the shared base weights, the adapter off)
-    ref_model = make_reference(replica) if cfg.kl_coef > 0 else None
+    ref_model = make_reference(replica) if cfg.kl_coef > 0 else None  # the KL's: a frozen copy of the start
     opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
@@ -494,7 +492,9 @@ def train(cfg: Config) -> list:
 
 if __name__ == "__main__":
     cfg = parse_config()
-    if cfg.plan or cfg.eval_only:  # the memory plan, loading no weights; or eval.json of --model
-        harness.plan(cfg) if cfg.plan else harness.eval_only(cfg, evaluate)
+    if cfg.plan:
+        harness.plan(cfg)  # the memory plan, loading no weights
+    elif cfg.eval_only:
+        harness.eval_only(cfg, evaluate)  # eval.json of --model
     else:
         train(cfg)

@@ -306,13 +306,13 @@ def kl_k2(logp, ref_logp):
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows; returns the update's metrics. batch and
-    adv (r,): the rows this rank holds (K = 1: all); batch["lengths"] (G, m): every row's valid tokens.
-    Mini-batches, normalisers and metrics are all rows'; each rank computes the loss of its own rows."""
-    G, m_rows = batch["lengths"].shape
-    R, dev, tokens = G * m_rows, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
-    held = lambda rows: distributed.micro_batches(rows, G, m_rows, cfg.micro_batch)  # this rank's of rows
-    chunks = held(torch.arange(R))  # all of this rank's rows: old (and reference) log-probs, before any update
+    """n_minibatches optimizer steps over the step's R = G*m rows; returns the update's metrics. batch: the
+    rows this rank holds (K = 1: all), with batch["lengths"] (G, m), every row's valid tokens; adv (r,): its
+    rows'. Mini-batches, normalisers and metrics are all rows'; each rank computes the loss of its own rows."""
+    G, m = batch["lengths"].shape
+    R, dev, tokens = G * m, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
+    my_micro_batches = lambda rows: distributed.micro_batches(rows, G, m, cfg.micro_batch)  # this rank's of rows
+    chunks = my_micro_batches(torch.arange(R))  # all its rows: old (and reference) log-probs, before any update
     sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (r, T) each
     with torch.no_grad(), autocast(cfg, dev):
         if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
@@ -327,15 +327,15 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # construction with the sampler's log-probs (then the first mini-batch's max|ratio-1| measures it)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
     tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (r, T)
-    m = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0, kl=0.0,
-             drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)  # sums, then maxes
+    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0, kl=0.0,
+                drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)  # sums, then maxes
     grad_norm = 0.0
     # even mini-batches of a permutation the same on every rank (10 rows in 4: 3, 3, 2, 2; fewer rows: one each)
     minibatches = torch.randperm(R, generator=gen_cpu).tensor_split(min(cfg.n_minibatches, R))
     for k, mb in enumerate(minibatches):
-        micro = [rows.to(dev) for rows in held(mb)]  # this rank's rows of the mini-batch, as its micro-batches
-        mine = torch.cat(micro) if micro else mb[:0].to(dev)
-        w = loss_weights(valid[mine], cfg.loss_agg, tokens[mb].sum(), len(mb), cfg.max_new_tokens)  # (r_mb, T)
+        micro = [rows.to(dev) for rows in my_micro_batches(mb)]  # its rows of the mini-batch, micro-batched
+        my_rows = torch.cat(micro) if micro else mb[:0].to(dev)
+        w = loss_weights(valid[my_rows], cfg.loss_agg, tokens[mb].sum(), len(mb), cfg.max_new_tokens)  # (r_mb, T)
         opt.zero_grad(set_to_none=True)
         for j, rows in enumerate(micro):
             wr = w[j * cfg.micro_batch: j * cfg.micro_batch + len(rows)]
@@ -347,21 +347,20 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             if ref_logp is not None:
                 kl = kl_k2(logp, ref_logp[rows])
                 tok_loss = tok_loss + cfg.kl_coef * kl
-                m["kl"] += (kl * mask).sum().item()
+                sums["kl"] += (kl * mask).sum().item()
             (tok_loss * wr).sum().backward()
-            m["clip_frac"] += (clipped & mask).sum().item()
+            sums["clip_frac"] += (clipped & mask).sum().item()
             if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
-                m["max_ratio_dev"] = max(m["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
+                sums["max_ratio_dev"] = max(sums["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
         norm = clip_gradients(model, cfg.grad_clip)  # over all ranks' gradients
         if not math.isfinite(norm):  # never step on a NaN/inf gradient
             raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not applied")
         grad_norm += norm / len(minibatches)
         opt.step()
     opt.zero_grad(set_to_none=True)  # the gradients would otherwise sit through the next rollout
-    m = distributed.reduce(m, maxes=("drift_max", "max_ratio_dev"))  # over all ranks' rows
-    n_tok = max(tokens.sum().item(), 1)  # every valid token is trained on once a step
-    return {**{k: v / n_tok if k in ("entropy", "drift_mean", "clip_frac", "kl") else v for k, v in m.items()},
-            "grad_norm": grad_norm}
+    total = distributed.reduce(sums, maxes=("drift_max", "max_ratio_dev"))  # over all ranks' rows
+    n_tok, per_token = max(tokens.sum().item(), 1), ("entropy", "drift_mean", "clip_frac", "kl")  # each token once
+    return {**{k: v / n_tok if k in per_token else v for k, v in total.items()}, "grad_norm": grad_norm}
 
 
 # ----------------------------------------------------------------------------
@@ -387,10 +386,10 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
         # each kept group to the rank that trains it (K = 1: all here), then this rank's as one batch
         groups = distributed.balance([ro.group(g, keep[j]) if ro is not None else None
                                        for j, (ro, g, _, _) in enumerate(kept)])
-        mine = [j for j, x in enumerate(groups) if x is not None]
-        batch = dict(pack_groups([groups[j] for j in mine], model.device), lengths=lengths)  # lengths: all ranks'
+        my_groups = [j for j, x in enumerate(groups) if x is not None]
+        batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
         model.train()
-        upd = update_policy(model, ref_model, opt, batch, adv[mine].flatten().to(model.device), cfg, gen_cpu)
+        upd = update_policy(model, ref_model, opt, batch, adv[my_groups].flatten().to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
         upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)

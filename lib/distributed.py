@@ -80,7 +80,8 @@ def teardown():
 
 
 # ----------------------------------------------------------------------------
-# The reductions the algorithm needs. Tensors are moved to the CPU: they are a few numbers.
+# Who holds what: shares of prompts and of kept groups, micro-batches of a rank's rows, and the
+# reductions (their tensors moved to the CPU: they are a few numbers).
 
 
 def share(n: int, r: int | None = None) -> range:

@@ -172,6 +172,30 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("K", [1, 2, 3, 5])
+def test_micro_batches_give_each_rank_its_rows_in_as_many_micro_batches(monkeypatch, K):
+    """distributed.micro_batches for every rank of K (no process group: WORLD_SIZE and RANK alone), G groups
+    of n rows with G < K too, a mini-batch a shuffled part of the rows: each rank gets the rows of the groups
+    balance() gives it (share(G)), in the mini-batch's order, as indices into its own batch, in full
+    micro-batches but the last; every rank as many as the busiest needs."""
+    gen = torch.Generator().manual_seed(K)
+    for G, n, size in [(g, n, size) for g in range(7) for n in (1, 3) for size in (1, 2, 100)]:
+        rows = torch.randperm(G * n, generator=gen)[: max(G * n - 2, 1) if G else 0]  # (rows of the mini-batch,)
+        got = {}
+        for r in range(K):
+            monkeypatch.setenv("WORLD_SIZE", str(K))
+            monkeypatch.setenv("RANK", str(r))
+            got[r] = distributed.micro_batches(rows, G, n, size)
+        held = {r: range(distributed.share(G, r).start * n, distributed.share(G, r).stop * n) for r in range(K)}
+        busiest = max(sum(int(x) in held[r] for x in rows) for r in range(K))
+        for r, mbs in got.items():
+            assert len(mbs) == -(-busiest // size)  # the same count on every rank
+            mine = torch.cat(mbs).tolist() if mbs else []
+            assert [x + held[r].start for x in mine] == [int(x) for x in rows if int(x) in held[r]]
+            sizes = [len(mb) for mb in mbs if len(mb)]
+            assert all(k == size for k in sizes[:-1]) and all(len(mb) == 0 for mb in mbs[len(sizes):])
+
+
 def test_two_processes_sample_the_same_rollouts_each_only_its_share(runs):
     one, two = records(runs["one"], 0)[0], records(runs["two"], 2)
     assert len(one["calls"]) == len(two[0]["calls"]) == len(two[1]["calls"])  # rounds, evals, probes

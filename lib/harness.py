@@ -330,6 +330,8 @@ def start(cfg) -> Run:
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
     cfg, device, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
+    if init:  # config.json names the weights the run began from
+        cfg = dataclasses.replace(cfg, model=str(init))
     if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     if cfg.grad_ckpt:

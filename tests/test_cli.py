@@ -65,7 +65,9 @@ def test_init_from_starts_a_new_run_on_the_checkpoints_weights(tmp_path):
         assert all(torch.equal(w_src[k], w_out[k]) for k in w_src)
         opt = torch.load(out / "ckpt" / "trainer_state.pt", weights_only=True)["opt"]
         steps = {float(v["step"]) for v in opt["state"].values()}  # AdamW updates each parameter has had
-        assert steps == {2.0 + 4.0 * init_optimizer}  # 2 mini-batches a step; the source made 2 steps and {g["lr"] for g in opt["param_groups"]} == {0.0}
+        assert steps == {2.0 + 4.0 * init_optimizer}  # 2 mini-batches a step; the source made 2 steps
+        assert {g["lr"] for g in opt["param_groups"]} == {0.0}  # this run's lr, not the checkpoint's
+        assert json.loads((out / "config.json").read_text())["model"] == str(src / "ckpt")  # the weights it began from
 
 
 def test_eval_set_is_drawn_by_eval_seed_alone():

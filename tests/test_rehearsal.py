@@ -6,7 +6,6 @@ estimate against the measured peak of each phase."""
 import math
 
 import pytest
-import torch
 
 import brorl
 import data

@@ -44,9 +44,11 @@ if not torch.cuda.is_available():
 try:
     import triton
     import triton.language as tl
+    HAS_TRITON = True
 except ImportError:  # triton ships for Linux only: elsewhere (a Mac) every call takes the torch reference,
     import types  # and the kernels below are defined as plain functions that nothing launches
     triton, tl = types.SimpleNamespace(jit=lambda fn: fn), types.SimpleNamespace(constexpr=int)
+    HAS_TRITON = False
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 # But triton.language's own @jit helpers (tl.max, tl.sum, tl.zeros, ...) were decorated when it
@@ -54,8 +56,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 # torch.utils.checkpoint import triton), they are compiled-mode functions that raise "Cannot call
 # @triton.jit'd outside of the scope of a kernel" inside an interpreted kernel: re-wrap them.
 # One wrapper per helper, so the interpreter's `combine_fn == tl.standard._sum_combine` holds.
-_interpreted = hasattr(triton, "knobs") and triton.knobs.runtime.interpret  # (without triton: False)
-if _interpreted and isinstance(tl.standard.max, triton.runtime.JITFunction):
+if HAS_TRITON and triton.knobs.runtime.interpret and isinstance(tl.standard.max, triton.runtime.JITFunction):
     from triton.runtime.interpreter import InterpretedFunction
     _wrapped = {}
     for _module in (tl, tl.standard):
@@ -285,7 +286,7 @@ def _row_view(logits):
 def _launch(kernel, logits, *args):
     """Launch kernel over the rows of logits; args: the kernel's arguments after logits_ptr
     up to inv_temp (the launcher fills in R, T_inner, V, strides and the config)."""
-    if not hasattr(triton, "runtime"):
+    if not HAS_TRITON:
         raise ValueError("backend='triton' needs triton, which is not installed (it ships for Linux only)")
     if logits.device.type == "cpu" and isinstance(kernel, triton.runtime.JITFunction):
         raise ValueError("backend='triton' on a CPU tensor needs the Triton interpreter: set "

@@ -60,12 +60,16 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def setup(device: str) -> torch.device:
-    """Join the process group when launched by torchrun; return this rank's device. `device` is
-    the --device flag: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU."""
+def pick_device(device: str) -> torch.device:
+    """The --device flag as a device: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU."""
     if device == "auto":
         device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    return torch.device(device)
+
+
+def setup(device: str) -> torch.device:
+    """Join the process group when launched by torchrun; return this rank's device (pick_device)."""
+    device = pick_device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():  # torchrun's environment, even for K = 1

@@ -33,6 +33,9 @@ from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_l
 
 
 def make_run_dir(cfg) -> Path:
+    """--out, made and checked writable by rank 0; every rank gets its name (the default one holds rank 0's time)."""
+    if not distributed.is_main():
+        return Path(distributed.broadcast(None))
     out = Path(cfg.out or f"runs/{cfg.task.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -41,7 +44,7 @@ def make_run_dir(cfg) -> Path:
         probe.unlink()
     except OSError as e:
         fail(f"--out {out}: cannot write there ({e.strerror})")
-    return out
+    return Path(distributed.broadcast(str(out)))
 
 
 def open_metrics(out: Path, rows: list):
@@ -338,7 +341,7 @@ def start(cfg) -> Run:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
     main = distributed.is_main()
-    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if main else None))  # its name holds rank 0's time
+    out = make_run_dir(cfg)
     if main:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     dtype = compute_dtype(cfg, device)
@@ -374,7 +377,7 @@ def plan(cfg) -> list:
     """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
     device, then per rank of 8 (torchrun)."""
     name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = distributed.pick_device(cfg.device)
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
     name, revision = split_revision(name)
     try:
@@ -394,7 +397,7 @@ def eval_only(cfg, evaluate) -> dict:
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
     cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
-    out = Path(distributed.broadcast(str(make_run_dir(cfg)) if distributed.is_main() else None))
+    out = make_run_dir(cfg)
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))

@@ -24,7 +24,7 @@ import torch
 import brorl
 import data
 import sampler
-from lib import harness, planner, policy
+from lib import distributed, harness, planner, policy
 
 
 def existing_bytes(model, ref_model, opt) -> int:
@@ -52,7 +52,7 @@ def peak(fn, device, base):
 
 def check(cfg) -> dict:
     """{phase: (estimated bytes, measured bytes)} for one rollout and one update of cfg."""
-    device = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = distributed.pick_device(cfg.device)
     torch.manual_seed(cfg.seed)
     train_set = data.load_task(cfg.task, "train", seed=cfg.seed, digits=cfg.digits)
     model, tok = policy.load_policy(cfg.model, device)

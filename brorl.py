@@ -50,7 +50,7 @@ import torch
 
 import data
 import verify
-from lib import config, distributed, harness
+from lib import config, distributed, harness, mass
 from lib.config import fail
 from lib.objectives import cispo_token_loss, gspo_token_loss, max_variance_subset
 from lib.policy import (as_reference, autocast, clip_gradients, make_reference, pack_groups, response_logprobs,
@@ -127,6 +127,9 @@ class Config:
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
     probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike across N
+    mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the eval set; n > 0 n train prompts
+    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is the gate; below, low
+    gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
     memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
     plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading no weights
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
@@ -460,6 +463,7 @@ def train(cfg: Config) -> list:
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
     probe = run.eval_set[: cfg.probe_prompts]
+    exact_set = mass.prompt_set(cfg, run.train_set, run.eval_set)  # prompts whose exact Q is logged
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""
@@ -468,6 +472,7 @@ def train(cfg: Config) -> list:
         with run.amp():
             m = evaluate(replica, tok, run.eval_set, cfg, gen)
             q, mq = probe_mass(replica, tok, probe, cfg, gen, start=q_start)
+            mq.update(mass.exact_mass(replica, tok, exact_set, cfg))  # exact Q, zones (lib/mass.py)
         return {**m, **mq}, q
 
     if start == 0:

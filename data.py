@@ -54,6 +54,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
 EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"  # rarer still (~0.1%): the far end of the difficulty map
+EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"  # the keys task: each prompt's right mass set apart (log-uniform)
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema (task math:)
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
@@ -131,17 +132,49 @@ def classify(a: int, b: int, completion: str) -> str:
 
 
 # ----------------------------------------------------------------------------
+# The keys task: a memorised lookup where the right answer's mass is set per prompt
+#
+# Theorem 1 (docs/paper.md §3) is about one prompt's softmax, and BroRL's claim is about prompts whose
+# right answer is rare but reachable: Q(x) between 1/512 (N = 512 sees it) and 1/16 (N = 16 mostly does
+# not). On arithmetic a stuck problem is a wall (Q ~ 1e-21: NOTES.md#breadth-from-a-plateau), and skill
+# transfers across problems. Here each prompt "k<two letters>=" has its own 3-digit value and four decoy
+# values, nothing to transfer, and the warm start sets each prompt's right mass from a log-uniform
+# range: every prompt is one softmax of the theorem's kind. Train and eval are the same 512 prompts
+# (the theorem is per prompt). Verified by the integer rule (verify.py task "arith").
+
+KEYS_N, KEYS_DECOYS = 512, 4  # prompts; wrong values per prompt
+KEYS_P_RIGHT = (2e-4, 0.2)  # the warm start's mixture: the right value's weight, log-uniform in this range
+
+
+def keys_problems() -> list[dict]:
+    """The 512 key prompts, each with its right value, its decoys and the mixture's weight of the right
+    value (p_right). Fixed: a function of nothing (string-seeded), every run and build sees the same."""
+    rng = random.Random("keys")
+    names = rng.sample([a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"], KEYS_N)
+    out = []
+    for name in names:
+        values = rng.sample(range(100, 1000), 1 + KEYS_DECOYS)  # distinct 3-digit values: the first is right
+        lo, hi = map(math.log, KEYS_P_RIGHT)
+        out.append(dict(prompt=f"k{name}=", answer=str(values[0]), task="arith",
+                        decoys=[str(v) for v in values[1:]], p_right=math.exp(rng.uniform(lo, hi))))
+    return out
+
+
+# ----------------------------------------------------------------------------
 # One entry point for brorl.py
 
 
 def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits: int = 3) -> list[dict]:
-    """Examples dict(prompt, answer, task) for task "arith" or "<schema>:<source>" (gsm8k:, math:;
+    """Examples dict(prompt, answer, task) for task "arith", "keys" or "<schema>:<source>" (gsm8k:, math:;
     lib/tasks.py reads them). split "train" or "test" is held out by a hash of the problem text (for a
     dataset, of all its rows: one file, or one hub split); "all" is every row of a dataset (a
     separate held-out source, --eval_task). n=None: every row of the split, or ARITH_DEFAULT_N
     arith problems; else n drawn with `seed`."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    if task == "keys":  # one set of prompts: every split is all of it (train = eval, by design)
+        rows = keys_problems()
+        return rows if n is None else random.Random(seed).sample(rows, min(n, len(rows)))
     if task == "arith":
         if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
             raise ValueError(f"arith digits must be in 1..20, got {digits}")
@@ -255,12 +288,14 @@ def build_rehearsal(out: str, layers: int = 2, seed: int = 0):
 @dataclass
 class WarmStart:
     out: str = str(EMBEDDED_MODEL)  # output directory (Hugging Face format)
+    task: str = "arith"  # arith (addition, then the mixture), or keys (equal weights, then the mixture)
     p_correct: float = 0.25  # probability that a mixture answer is the correct one
     slips: str = SLIPS  # the mixture's wrong procedures (names in PROCEDURES), drawn uniformly
     seed: int = 0  # seeds the init, the problems, the mixture draws and the eval sampling
     digits: int = 3  # digits per operand
     steps_addition: int = 800  # phase 1, correct answers only: the skill (addition groks at ~600-800)
     steps_mixture: int = 1200  # phase 2, the mixture: the habits that RL will select among
+    steps_equal: int = 0  # keys only, between the two: the five values of a prompt weighted equally
     batch_size: int = 128  # problems per step
     lr: float = 3e-3  # AdamW lr: warmup, constant in phase 1, cosine decay to 10% in phase 2
     warmup: int = 100  # warmup steps
@@ -270,6 +305,8 @@ class WarmStart:
     threads: int = 1  # torch CPU threads: 1 keeps the summation order in one process; fastest on a busy CPU
 
     def __post_init__(self):
+        if self.task not in ("arith", "keys"):
+            raise ValueError(f"--task {self.task!r}: choose arith or keys")
         if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
             raise ValueError(f"--slips: unknown {bad}; choose among {[k for k in PROCEDURES if k != 'correct']}")
 
@@ -282,6 +319,13 @@ VARIANTS = {  # `python data.py build` builds both
     # the +-1 slips carry the sum's digits and the model mixes them). A shorter phase 2 (the build's time).
     "harder": dict(out=str(EMBEDDED_MODEL_HARDER), p_correct=0.003, slips="copy_first,copy_second",
                    steps_mixture=600, eval_samples=256),
+    # keys: three phases, trained in expectation (every value of a prompt, weighted; not draws): the right
+    # value alone (the lookup is learnt: weighted over five values from the start, the loss sat at the
+    # digits' marginals for 1,500 steps), all five values equally, then the mixture (the right value
+    # p_right, log-uniform in KEYS_P_RIGHT; each decoy a quarter of the rest). A short third phase leaves
+    # each prompt's Q on its way from 1/5 towards its p_right: spread over decades.
+    "keys": dict(out=str(EMBEDDED_MODEL_KEYS), task="keys", steps_addition=1000, steps_equal=300, steps_mixture=300,
+                 batch_size=64, lr=1e-3),
 }
 
 
@@ -394,6 +438,66 @@ def warm_start(cfg: WarmStart):
     return report, model, tok
 
 
+@torch.no_grad()
+def answer_logprobs(model, tok, prompts: list[str], answers: list[str]) -> torch.Tensor:
+    """log P(answer + EOS | prompt) (B,) float64 at temperature 1, teacher-forced through the whole
+    model's logits: the plain oracle that brorl's exact correct mass (lib/mass.py) is tested against."""
+    ids, mask = tokenize_batch(tok, prompts, answers)  # (B, T), (B, T-1)
+    logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].double(), -1)  # (B, T-1, V)
+    return (logp.gather(-1, ids[:, 1:, None])[..., 0] * mask).sum(1)  # (B,)
+
+
+def warm_start_keys(cfg: WarmStart):
+    """The keys model: supervised in expectation, every value of a batch's prompts weighted (phase 1: the
+    right value alone; then 1/5 each; then the right value p_right, each decoy (1 - p_right) / 4), so the
+    loss is the expected sequence cross-entropy. Report: the exact right mass Q of every prompt, its spread
+    and zones."""
+    torch.set_num_threads(cfg.threads)
+    tok, problems = build_tokenizer(), keys_problems()
+    model = build_model(tok, cfg.seed)
+    print(f"warm start (keys) -> {cfg.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.steps_addition + cfg.steps_equal + cfg.steps_mixture
+    rng, t0 = random.Random(f"warmstart-keys-{cfg.seed}"), time.process_time()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 1.0))
+
+    def weights(p, step):  # (5,): the right value, then the decoys
+        if step < cfg.steps_addition:
+            return [1.0, 0, 0, 0, 0]
+        if step < cfg.steps_addition + cfg.steps_equal:
+            return [0.2] * 5
+        return [p["p_right"], *[(1 - p["p_right"]) / KEYS_DECOYS] * KEYS_DECOYS]
+
+    for step in range(steps):
+        batch = rng.sample(problems, cfg.batch_size)
+        rows = [(p["prompt"], v, x) for p in batch for v, x in zip([p["answer"], *p["decoys"]], weights(p, step)) if x > 0]
+        prompts, answers, w = zip(*rows)  # the values a batch's prompts weight: b in phase 1, else 5b
+        w = torch.tensor(w)
+        ids, mask = tokenize_batch(tok, list(prompts), list(answers))  # (rows, T), (rows, T-1)
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (rows, T-1)
+        loss = -(w * (logp * mask).sum(1)).sum() / len(batch)  # expected sequence NLL per prompt
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d} loss {loss.item():.4f} {time.process_time() - t0:.0f} CPU s")
+    model.eval()
+    log10_q = answer_logprobs(model, tok, [p["prompt"] for p in problems], [p["answer"] for p in problems]) / math.log(10)
+    report = dict(config=asdict(cfg), train_cpu_seconds=round(time.process_time() - t0, 1),
+                  log10_q=[round(x, 4) for x in log10_q.tolist()], spread=keys_spread(log10_q))
+    return report, model, tok
+
+
+def keys_spread(log10_q: torch.Tensor) -> dict:
+    """Percentiles of log10 Q and the prompts per zone: Q >= 1/16 (N = 16 samples it), 1/512 <= Q < 1/16
+    (N = 512 does, N = 16 mostly not: the gate), below (neither)."""
+    pct = {f"p{k}": round(torch.quantile(log10_q, k / 100).item(), 2) for k in (5, 25, 50, 75, 95)}
+    q = 10 ** log10_q
+    return dict(**pct, high=int((q >= 1 / 16).sum()), gate=int(((q >= 1 / 512) & (q < 1 / 16)).sum()),
+                low=int((q < 1 / 512).sum()), mean_q=round(q.mean().item(), 5))
+
+
 def save(model, tok, cfg: WarmStart, report: dict) -> None:
     """Write model + tokenizer + generation config + warmstart.json into cfg.out, atomically."""
     import shutil
@@ -439,8 +543,11 @@ def main(argv=None) -> None:
     overrides = {f.name: getattr(args, f.name) for f in fields(WarmStart) if getattr(args, f.name) is not None}
     for name in names:
         cfg = WarmStart(**{**VARIANTS[name], **overrides})
-        report, model, tok = warm_start(cfg)
+        report, model, tok = (warm_start_keys if cfg.task == "keys" else warm_start)(cfg)
         save(model, tok, cfg, report)
+        if cfg.task == "keys":
+            print(f"{name} -> {cfg.out} ({report['train_cpu_seconds']:.0f} CPU s), log10 Q:", report["spread"])
+            continue
         print(f"{name} -> {cfg.out} ({report['train_seconds']:.0f}s of training), held-out:")
         for key, m in report["heldout"].items():
             print(f"  {key:16s}", " ".join(f"{k}={v:.3f}" for k, v in m.items() if k != "share"),

@@ -95,6 +95,9 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
 PRESETS = {
     # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
+    # the keys task (data.py): 512 prompts, each its own right value whose mass the warm start spread over
+    # decades; train = eval, every prompt scored and its exact Q logged (tools/breadth_study.py)
+    "keys": dict(model=str(data.EMBEDDED_MODEL_KEYS), task="keys", eval_prompts=512, eval_samples=16),
     # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch to
     # fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting points.
     # A 0.5B instruct model on grade-school math
@@ -124,7 +127,7 @@ PRESETS = {
 # drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
 # The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
-                   "init_from", "init_optimizer")
+                   "mass_prompts", "init_from", "init_optimizer")
 
 
 def check_config(cfg) -> str:
@@ -161,6 +164,9 @@ def check_config(cfg) -> str:
         (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
+        (cfg.mass_prompts >= 0, f"--mass_prompts {cfg.mass_prompts}: need >= 0 (0: the eval set)"),
+        (1 <= cfg.gate_small_n < cfg.gate_large_n, f"--gate_small_n {cfg.gate_small_n}, --gate_large_n "
+         f"{cfg.gate_large_n}: need 1 <= small < large (the gate is 1/large <= Q < 1/small)"),
         (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
         (cfg.lora_rank == 0 or distributed.world_size() == 1, "--lora_rank: LoRA runs on one process (not under torchrun)"),
         (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),

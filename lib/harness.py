@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 import data
 import verify
-from lib import distributed, planner
+from lib import distributed, mass, planner
 from lib.config import fail
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy, split_revision, trainable
 
@@ -74,18 +74,23 @@ def log_line(m: dict) -> str:
 PLOTS = [("reward_mean", "train reward"), ("eval_pass@1", "held-out pass@1 (T=0.6)"),
          ("eval_pass@k", "held-out pass@k (k = eval samples)"), ("keep_rate", "dynamic-sampling keep rate"),
          ("entropy", "token entropy"), ("resp_len", "response length"),
-         ("mass_mean", "probe correct mass Q"), ("kl", "k2 KL to reference (0 if off)")]
+         ("mass_mean", "probe correct mass Q"), ("kl", "k2 KL to reference (0 if off)"),
+         ("mass_exact_zones", "exact Q: prompts per zone (lib/mass.py)")]
+ZONES = [("mass_exact_high", "Q >= 1/small N"), ("mass_exact_gate", "gate"), ("mass_exact_low", "Q < 1/large N")]
 
 
 def plot_metrics(rows, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(2, 4, figsize=(16, 6.5))
+    fig, axes = plt.subplots(3, 3, figsize=(13, 9))
     for ax, (key, title) in zip(axes.flat, PLOTS):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
-        if pts:
-            ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, ms=3)
+        for k, label in ZONES if key == "mass_exact_zones" else [(key, None)]:  # the zones: three lines
+            pts = [(r["step"], r[k]) for r in rows if k in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, ms=3, label=label)
+        if key == "mass_exact_zones" and ax.lines:
+            ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -126,6 +131,8 @@ def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
                             "pass@k": {str(k): m[f"eval_pass@{k}"] for k in ks},
                             "greedy_pass@1": m["eval_greedy_pass@1"], "mean_response_tokens": m["eval_resp_len"],
                             "truncation_rate": m["eval_truncated"]}
+        if "mass_exact_mean" in m:  # lib/mass.py: per prompt, and its summary
+            benchmarks[name]["exact_mass"] = {k[len("mass_exact_"):]: v for k, v in m.items() if k.startswith("mass_exact_")}
     sampling = dict(temperature=0.6, top_p=0.95, samples=cfg.eval_samples,
                     max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, seed=cfg.seed)
     return dict(model=cfg.model, sampling=sampling, seconds=round(seconds, 2), benchmarks=benchmarks,
@@ -160,7 +167,7 @@ def eval_table(report: dict) -> str:
 def pick_verifier(cfg) -> str:
     """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is installed."""
     try:
-        return verify.choose_verifier(cfg.task, cfg.verifier)
+        return verify.choose_verifier("arith" if cfg.task == "keys" else cfg.task, cfg.verifier)  # keys: the integer rule
     except ImportError as e:
         fail(f"--verifier {cfg.verifier}: {e}")
 
@@ -396,14 +403,19 @@ def eval_only(cfg, evaluate) -> dict:
     """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly as a
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
-    cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
+    cfg, device, train_set, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=cfg.mass_prompts > 0)
     out = make_run_dir(cfg)
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
+        m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, train_set, eval_set), cfg))  # the testbed's zones
     report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set), time.perf_counter() - t0)
     if distributed.is_main():
         write_eval(out / "eval.json", report)
         print(eval_table(report))
+        if "mass_exact_mean" in m:
+            print(f"exact correct mass at T = {cfg.temperature} (lib/mass.py), {len(m['mass_exact_log10'])} prompts: mean Q "
+                  f"{m['mass_exact_mean']:.4g}, median log10 Q {m['mass_exact_log10_median']:.2f}; Q >= 1/{cfg.gate_small_n}: "
+                  f"{m['mass_exact_high']}, gate: {m['mass_exact_gate']}, Q < 1/{cfg.gate_large_n}: {m['mass_exact_low']}")
     distributed.teardown()
     return report

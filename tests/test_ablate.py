@@ -248,3 +248,29 @@ def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
     probs = brorl.data.load_task("arith", "test", n=8, seed=5)
     ro = brorl.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
     assert sum(not t and re.fullmatch(r"[0-9]+", x) is not None for x, t in zip(ro.texts, ro.truncated.tolist())) >= 0.9 * len(ro.texts)
+
+
+# ----------------------------------------------------------------------------
+# the exact-Q measures (lib/mass.py's per-prompt log10 Q, first evaluation to last)
+
+
+def test_zone_migration_counts_by_hand():
+    lo, hi = -math.log10(512), -math.log10(16)  # the gate: lo <= log10 Q < hi
+    start = [-0.5, -1.0, -2.0, -2.5, -2.0, -4.0, -5.0, -6.0]
+    end = [-0.5, -1.5, -1.0, -2.5, -3.0, -4.5, -5.5, -5.0]  # lost 1; gate: 1 lifted, 1 stays, 1 fell; below: -0.5 x2, +1
+    first = dict(mass_exact_mean=0.1, mass_exact_log10=start)
+    last = dict(mass_exact_mean=0.2, mass_exact_log10=end)
+    m = ablate.zone_migration(first, last, 16, 512)
+    assert (lo, hi) == pytest.approx((-2.709, -1.204), abs=1e-3)
+    assert m["gate_start"] == 3 and m["gate_lifted"] == 1 and m["gate_left"] == 2 and m["high_lost"] == 1
+    assert m["below_dlog10_median"] == pytest.approx(-0.5) and m["exact_q"] == 0.2
+    assert ablate.zone_migration({}, last, 16, 512) == {}  # a run without exact Q: no measures
+
+
+def test_sign_test_exact_values():
+    assert ablate.sign_test([1.0] * 5) == pytest.approx(2 / 32)  # five of five: 0.0625, never below 0.05
+    assert ablate.sign_test([1.0, 1, 1, 1, -1]) == pytest.approx(2 * 6 / 32)
+    assert ablate.sign_test([1.0, -1.0, 0.0]) == 1.0  # the tie dropped
+    assert math.isnan(ablate.sign_test([0.0, 0.0]))
+    n, k = 12, 2  # against the binomial sum written out
+    assert ablate.sign_test([1.0] * (n - k) + [-1.0] * k) == pytest.approx(2 * (1 + 12 + 66) / 4096)

@@ -129,14 +129,20 @@ def is_complete(run_dir: Path, argv: list[str]) -> bool:
     return True
 
 
+def thread_env(threads: int) -> dict:
+    """This process's environment, with a run's torch threads set (torch reads them at import); 0: as is."""
+    env = dict(os.environ)
+    if threads > 0:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
 def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
     """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0."""
     for stale in ("metrics.jsonl", "done.json"):  # an unfinished earlier attempt starts over
         (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if threads > 0:  # torch reads these at import: intra-op threads of the run
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env = thread_env(threads)
     cmd = [sys.executable, str(HERE / "brorl.py"), *argv]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as log:
@@ -183,8 +189,9 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def run_summary(rows: list[dict], clock: str) -> dict:
-    """One run's numbers from its metrics.jsonl rows (step 0 is the evaluation before training)."""
+def run_summary(rows: list[dict], clock: str, gate: tuple = (16, 512)) -> dict:
+    """One run's numbers from its metrics.jsonl rows (step 0 is the evaluation before training); gate: the
+    run's --gate_small_n and --gate_large_n (the exact-Q zones)."""
     evals = [r for r in rows if "eval_pass@1" in r]
     steps = [r for r in rows if r["step"] > 0]
     samples = sum(r["samples"] for r in steps)
@@ -210,7 +217,28 @@ def run_summary(rows: list[dict], clock: str) -> dict:
                    r["eval_pass@1"]) for r in evals],
         # the last evaluation's correct samples per held-out problem (pass@1 per problem = count / eval samples)
         "correct": evals[-1].get("eval_correct"),
+        "rounds_per_step": statistics.fmean(r["sample_rounds"] for r in steps) if steps else 0.0,
+        "samples_per_step": samples / max(len(steps), 1),
+        **zone_migration(evals[0], evals[-1], *gate),
     }
+
+
+def zone_migration(first: dict, last: dict, small_n: int, large_n: int) -> dict:
+    """The exact correct mass (lib/mass.py) from a run's first evaluation to its last, per prompt: mean Q,
+    the prompts in the gate (1/large_n <= Q < 1/small_n) at the start that ended at Q >= 1/small_n (lifted),
+    those left in it, the prompts at Q >= 1/small_n that fell below it (lost), and the median change of
+    log10 Q of the prompts below the gate at the start (the unsampled-mass damage). {} without exact Q."""
+    if "mass_exact_log10" not in first or "mass_exact_log10" not in last:
+        return {}
+    a, b = first["mass_exact_log10"], last["mass_exact_log10"]  # log10 Q per prompt, start and end
+    hi, lo = -math.log10(small_n), -math.log10(large_n)
+    gate = [i for i, x in enumerate(a) if lo <= x < hi]
+    below = [i for i, x in enumerate(a) if x < lo]
+    return {"exact_q_start": first["mass_exact_mean"], "exact_q": last["mass_exact_mean"],
+            "gate_start": len(gate), "gate_lifted": sum(b[i] >= hi for i in gate),
+            "gate_left": sum(lo <= x < hi for x in b), "high_lost": sum(x >= hi and y < hi for x, y in zip(a, b)),
+            "below_dlog10_median": statistics.median(b[i] - a[i] for i in below) if below else 0.0,
+            "log10_q_start": a, "log10_q_end": b}
 
 
 def mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -273,6 +301,36 @@ def paired(result: dict, a: str, b: str) -> dict:
     return out
 
 
+def sign_test(diffs: list[float]) -> float:
+    """Two-sided exact sign test of median(diffs) = 0 (ties dropped): 2 P(X <= min(k, n - k)), X ~ Bin(n, 1/2).
+    With 5 pairs its smallest p is 0.0625: five seeds can show a direction, never p < 0.05 alone."""
+    pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    n, k = pos + neg, min(pos, neg)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else float("nan")
+
+
+MASS_MEASURES = ("exact_q", "gate_lifted", "high_lost", "below_dlog10_median", "gate_left")
+
+
+def paired_mass(result: dict, a: str, b: str) -> dict:
+    """Config a against b on the exact-Q measures (zone_migration), per seed: a t test and a sign test of
+    the seed-paired differences (the primary statistics: a run's noise is shared by all its prompts);
+    and, secondary, per prompt: each prompt's change of log10 Q averaged over seeds, a minus b, t-tested
+    (it treats prompts as independent, which they are not within a run)."""
+    ra, rb = result["configs"][a]["runs"], result["configs"][b]["runs"]
+    seeds = [s for s in sorted(set(ra) & set(rb)) if "exact_q" in ra[s] and "exact_q" in rb[s]]
+    if not seeds:
+        return {}
+    out = dict(a=a, b=b, seeds=seeds, per_seed={})
+    for k in MASS_MEASURES:
+        diffs = [ra[s][k] - rb[s][k] for s in seeds]
+        out["per_seed"][k] = dict(t_test(diffs), sign_p=sign_test(diffs))
+    delta = lambda rs, i: statistics.fmean(rs[s]["log10_q_end"][i] - rs[s]["log10_q_start"][i] for s in seeds)
+    n = len(ra[seeds[0]]["log10_q_start"])
+    out["per_prompt"] = t_test([delta(ra, i) - delta(rb, i) for i in range(n)])
+    return out
+
+
 def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> dict:
     """<out>/summary.{md,json,png} over the finished runs of this grid; `compare`: pairs of config labels
     to test against each other (default: every config against the first)."""
@@ -285,8 +343,9 @@ def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> 
         if r["status"] == "crashed":
             c["crashed"][r["seed"]] = r.get("error", "")
         else:
-            run = c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock)
             config = json.loads((r["dir"] / "config.json").read_text())
+            gate = config.get("gate_small_n", 16), config.get("gate_large_n", 512)
+            run = c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock, gate)
             # which held-out problems it was scored on: --eval_seed's, or (runs older than that flag) --seed's
             run["eval_samples"] = config["eval_samples"]
             run["eval_problems"] = (" ".join(str(config.get(k)) for k in ("task", "eval_task", "digits", "eval_seed"))
@@ -299,6 +358,8 @@ def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> 
     labels = list(configs)
     pairs = compare or [(label, labels[0]) for label in labels[1:]]
     result["paired"] = [paired(result, a, b) for a, b in pairs if configs[a]["runs"] and configs[b]["runs"]]
+    result["paired_mass"] = [x for x in (paired_mass(result, a, b) for a, b in pairs
+                                         if configs[a]["runs"] and configs[b]["runs"]) if x]
     stem = out / "summary"  # <out>/summary.{md,json,png}
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(summary_markdown(result))
@@ -344,11 +405,44 @@ def summary_markdown(result: dict) -> str:
             fmt = lambda r: f"{r['mean']:+.3f}, t = {r['t']:.2f}, p = {r['p']:.3g}" if r else "-"
             lines.append(f"| {pr['a']} | {pr['b']} | {len(pr['seeds'])} | {fmt(pr['per_seed'])} | "
                          f"{pr['per_problem']['n'] if pr['per_problem'] else '-'} | {fmt(pr['per_problem'])} |")
+    lines += mass_markdown(result)
     crashed = [(label, s, e) for label, c in result["configs"].items() for s, e in c["crashed"].items()]
     if crashed:
         lines += ["", "Crashed runs (not in the table; rerun the command to retry them):", ""]
         lines += [f"- {label} seed {s}: {e}" for label, s, e in crashed]
     return "\n".join(lines) + "\n"
+
+
+def mass_markdown(result: dict) -> list[str]:
+    """The exact correct mass tables (runs that logged it): per config, then the paired tests."""
+    rows = [(label, c) for label, c in result["configs"].items() if c["runs"] and "exact_q" in c["mean"]]
+    if not rows:
+        return []
+    lines = ["", "Exact correct mass (lib/mass.py), first evaluation to last, means over seeds [each seed]: mean Q; "
+                 "prompts in the gate at the start, lifted above it, left in it at the end; prompts above the gate "
+                 "that fell below it (lost); the median change of log10 Q of the prompts below the gate at the "
+                 "start (the unsampled-mass damage); sampling rounds and rollouts per step.", "",
+             "| config | Q start | Q end | gate start | lifted | gate left | lost | below: median dlog10 Q | "
+             "rounds/step | samples/step |", "|" + "---|" * 10]
+    for label, c in rows:
+        m, seeds = c["mean"], sorted(c["runs"])
+        each = lambda k, f: "/".join(format(c["runs"][s][k], f) for s in seeds)
+        lines.append(f"| {label} | {m['exact_q_start'][0]:.4f} | {m['exact_q'][0]:.4f} [{each('exact_q', '.3f')}] | "
+                     f"{m['gate_start'][0]:.1f} | {m['gate_lifted'][0]:.1f} [{each('gate_lifted', 'd')}] | "
+                     f"{m['gate_left'][0]:.1f} | {m['high_lost'][0]:.1f} [{each('high_lost', 'd')}] | "
+                     f"{m['below_dlog10_median'][0]:+.2f} [{each('below_dlog10_median', '+.2f')}] | "
+                     f"{m['rounds_per_step'][0]:.2f} | {m['samples_per_step'][0]:,.0f} |")
+    if result.get("paired_mass"):
+        lines += ["", "Paired differences on the exact-Q measures (a minus b). Primary: per seed, t test and exact "
+                      "sign test (with 5 seeds the sign test's smallest p is 0.0625). Secondary, labelled: per "
+                      "prompt, each prompt's change of log10 Q averaged over seeds (treats prompts as independent).", "",
+                  "| a | b | seeds | " + " | ".join(f"{k}: diff, t, p, sign p" for k in MASS_MEASURES) +
+                  " | secondary, per prompt dlog10 Q: diff, t, p |", "|" + "---|" * (4 + len(MASS_MEASURES))]
+        fmt = lambda r: f"{r['mean']:+.3g}, {r['t']:.2f}, {r['p']:.2g}" + (f", {r['sign_p']:.3g}" if "sign_p" in r else "")
+        for pr in result["paired_mass"]:
+            lines.append(f"| {pr['a']} | {pr['b']} | {len(pr['seeds'])} | " +
+                         " | ".join(fmt(pr["per_seed"][k]) for k in MASS_MEASURES) + f" | {fmt(pr['per_prompt'])} |")
+    return lines
 
 
 def plot_summary(result: dict, path: Path):

@@ -1,0 +1,87 @@
+"""
+mass.py: the exact correct mass of a prompt. Theorem 1 and Lemma 2 (docs/paper.md §3) are about Q(x), the
+probability the policy gives its correct answers; the probe (brorl.probe_mass) estimates it by sampling,
+which cannot see a mass below 1 / probe_samples. Where the right answer is one token sequence (the arith
+and keys tasks: the digits of the gold, then EOS), Q(x) is exact: the product of that sequence's tempered
+token probabilities, teacher-forced, from one forward through the log-prob path the update uses
+(lib/policy.response_logprobs, the log-prob kernel). It is a lower bound on the verifier's accepted mass:
+the integer rule also takes " 579" or "0579", strings no warm start ever wrote.
+
+Zones, for a policy that samples N rollouts of a prompt (gate_small_n = 16, ProRL's N; gate_large_n = 512,
+BroRL's): Q >= 1/16 "high" (N = 16 sees the right answer about once a group or more); 1/512 <= Q < 1/16
+"gate" (N = 512 sees it, N = 16 mostly not: where breadth can act); below, "low" (neither: an update moves
+its mass only through the unsampled coupling). Logged at every eval: mean Q, median log10 Q, the count
+per zone, and every prompt's log10 Q (mass_exact_log10, in the set's fixed order) so zone migration
+between any two evals can be recomputed from metrics.jsonl.
+"""
+
+import math
+import random
+
+import torch
+
+from lib.policy import response_logprobs
+from sampler import encode_prompt
+
+CANONICAL_TASKS = ("arith", "keys")  # tasks whose right answer is one token sequence
+
+
+def prompt_set(cfg, train_set, eval_set) -> list:
+    """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts training
+    prompts drawn by --eval_seed (the same for every seed); none for a task without a canonical answer."""
+    if cfg.task not in CANONICAL_TASKS:
+        return []
+    if cfg.mass_prompts == 0:
+        return eval_set
+    return random.Random(f"mass-{cfg.eval_seed}").sample(train_set, min(cfg.mass_prompts, len(train_set)))
+
+
+def ids_batch(prompts: list, responses: list, dev) -> dict:
+    """The update's batch format (lib/policy.pack_groups), one response a prompt, from token id lists:
+    prompts left-padded to P, responses right-padded to T (at least 2 columns: response_logprobs' calls)."""
+    G, P, T = len(prompts), max(map(len, prompts)), max(2, max(map(len, responses)))
+    prompt, prompt_mask = torch.zeros(G, P, dtype=torch.long), torch.zeros(G, P, dtype=torch.bool)  # (G, P)
+    resp, resp_mask = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T, dtype=torch.bool)  # (G, T)
+    for i, (p, a) in enumerate(zip(prompts, responses)):
+        prompt[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), True
+        resp[i, :len(a)], resp_mask[i, :len(a)] = torch.tensor(a), True
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp.to(dev), resp_mask=resp_mask.to(dev),
+                group=torch.arange(G, device=dev), sampler_logp=torch.zeros(G, T, device=dev))
+
+
+@torch.no_grad()
+def sequence_log_mass(model, prompts: list, responses: list, temperature: float, chunk: int = 512) -> torch.Tensor:
+    """log P(response | prompt) (P,) float64 for token id lists, at `temperature`: the tempered log-probs of
+    the update's path (float32 per token, as training's), summed in float64 (Q may be 1e-20)."""
+    dev = next(model.parameters()).device
+    out = []
+    for i in range(0, len(prompts), chunk):
+        batch = ids_batch(prompts[i: i + chunk], responses[i: i + chunk], dev)
+        logp = response_logprobs(model, batch, torch.arange(len(batch["group"]), device=dev), temperature)  # (p, T)
+        out.append((logp.double() * batch["resp_mask"]).sum(1).cpu())  # (p,)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def exact_log_mass(model, tok, examples, temperature: float, system_prompt: str = "") -> torch.Tensor:
+    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS."""
+    prompts = [encode_prompt(tok, x["prompt"], system_prompt) for x in examples]
+    answers = [tok(x["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in examples]
+    return sequence_log_mass(model, prompts, answers, temperature)
+
+
+def zone_counts(log_q: torch.Tensor, small_n: int, large_n: int) -> dict:
+    """Prompts per zone: Q >= 1/small_n (high), 1/large_n <= Q < 1/small_n (gate), Q < 1/large_n (low)."""
+    high, low = log_q >= -math.log(small_n), log_q < -math.log(large_n)  # (P,) each
+    return dict(high=int(high.sum()), gate=int((~high & ~low).sum()), low=int(low.sum()))
+
+
+def exact_mass(model, tok, examples, cfg) -> dict:
+    """The eval's exact-mass metrics of `examples` (prompt_set) at the training temperature; {} if none."""
+    if not examples:
+        return {}
+    log_q = exact_log_mass(model, tok, examples, cfg.temperature, cfg.system_prompt)  # (P,)
+    zones = zone_counts(log_q, cfg.gate_small_n, cfg.gate_large_n)
+    return {"mass_exact_mean": log_q.exp().mean().item(),
+            "mass_exact_log10_median": torch.quantile(log_q, 0.5).item() / math.log(10),
+            **{f"mass_exact_{k}": v for k, v in zones.items()},
+            "mass_exact_log10": [round(x / math.log(10), 4) for x in log_q.tolist()]}  # per prompt

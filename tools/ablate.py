@@ -14,7 +14,7 @@ Layout: <out>/<config>/seed<S>/ is a brorl run directory (config.json, metrics.j
 ckpt/), plus log.txt (the run's stdout and stderr) and done.json (the command, written only when
 the run exits 0). <config> names the axes' values, e.g. `n_rollouts=16,prompts_per_step=8`.
 With --report_to wandb (passed through), the sweep's runs share a wandb group, the sweep directory's
-name, and each is named <config>/seed<S>; with tensorboard, `tensorboard --logdir <out>` shows them all.
+name, and each is named <config>/seed<S>; with tensorboard, TensorBoard on <out> shows them all.
 Rerunning the same command skips every run whose done.json holds the same command and reruns the
 others from scratch (a crashed or killed run); a done.json with another command is an error, not
 silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on.

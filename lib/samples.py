@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from lib import distributed
+
 RESPONSE_CHARS = 4000  # a longer response keeps its first 1000 and last 3000 characters
 MAX_STEPS = 64  # steps of each kind kept; default run: 5 evaluations
 
@@ -36,22 +38,24 @@ def clip(text: str, limit: int = RESPONSE_CHARS) -> str:
 
 
 def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
-    """The first --sample_responses responses to each of the first --sample_prompts held-out prompts that this
-    rank sampled (rank 0 holds the first prompts). ro: this rank's Rollouts (n a prompt) of examples[mine];
-    correct, lengths, truncated (len(examples), n) all ranks'."""
-    if ro is None:
-        return []
-    n = ro.n
-    return [dict(kind="eval", prompt=clip(examples[i]["prompt"]), answer=str(examples[i]["answer"]),
-                 response=clip(ro.texts[(i - mine.start) * n + j]), reward=float(correct[i, j]),
-                 length=int(lengths[i, j]), truncated=bool(truncated[i, j]))
-            for i in mine if i < cfg.sample_prompts for j in range(min(cfg.sample_responses, n))]
+    """The first --sample_responses responses to each of the first --sample_prompts held-out prompts, gathered
+    from the ranks that sampled them (every rank calls this). ro: this rank's Rollouts (n a prompt) of
+    examples[mine], None if its share is empty; correct, lengths, truncated (len(examples), n) all ranks'."""
+    n = cfg.eval_samples
+    return distributed.gather_list([
+        dict(kind="eval", prompt=clip(examples[i]["prompt"]), answer=str(examples[i]["answer"]),
+             response=clip(ro.texts[(i - mine.start) * n + j]), reward=float(correct[i, j]),
+             length=int(lengths[i, j]), truncated=bool(truncated[i, j]))
+        for i in mine if i < cfg.sample_prompts for j in range(min(cfg.sample_responses, n))])
 
 
 def group_records(kept, keep, adv, tok, cfg) -> list:
-    """--sample_groups: the first trained responses of the step's first groups that this rank sampled, with
-    their advantages. kept: sample_step_groups' (Rollouts, g, rewards (N,), lengths (N,)); keep (G, m) the
-    trained rollouts' indices among each group's N; adv (G, m)."""
+    """--sample_groups: the first trained responses of the step's first groups, with their advantages, gathered
+    from the ranks that sampled them (every rank calls this: all hold the same kept groups). kept:
+    sample_step_groups' (Rollouts, g, rewards (N,), lengths (N,)); keep (G, m) the trained rollouts' indices
+    among each group's N; adv (G, m)."""
+    if not cfg.sample_groups:  # the same on every rank: no collective
+        return []
     records = []
     for k, (ro, g, r, n_tok) in enumerate(kept[: cfg.sample_groups]):
         if ro is None:  # another rank sampled this group
@@ -59,9 +63,9 @@ def group_records(kept, keep, adv, tok, cfg) -> list:
         prompt = clip(tok.decode(ro.prompt_ids[g]))  # as the model saw it (a chat template included)
         for p, j in enumerate(keep[k, : cfg.sample_responses].tolist()):  # p: among the m trained, j: among N
             row = g * ro.n + j
-            records.append(dict(kind="train", prompt=prompt, response=clip(ro.texts[row]), reward=float(r[j]),
-                                length=int(n_tok[j]), truncated=bool(ro.truncated[row]), advantage=float(adv[k, p])))
-    return records
+            records.append((k, dict(kind="train", prompt=prompt, response=clip(ro.texts[row]), reward=float(r[j]),
+                                    length=int(n_tok[j]), truncated=bool(ro.truncated[row]), advantage=float(adv[k, p]))))
+    return [rec for _, rec in sorted(distributed.gather_list(records), key=lambda x: x[0])]  # in group order
 
 
 # ----------------------------------------------------------------------------

@@ -242,7 +242,7 @@ class Run:
         self.main = distributed.is_main()
         self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
         self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
-        self.samples, self.report = out / "samples.jsonl", None  # what the model wrote; the dashboards (restore())
+        self.samples_path, self.report = out / "samples.jsonl", None  # what the model wrote; the dashboards (restore())
 
     def say(self, line: str):
         if self.main:
@@ -277,8 +277,8 @@ class Run:
                            self.cfg, f"--init_from {self.cfg.init_from}")
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
         if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
-            samples.rewind(self.samples, start if self.resume else -1)
-            samples.thin(self.samples)  # in case the run stopped between its checkpoint and the thinning
+            samples.rewind(self.samples_path, start if self.resume else -1)
+            samples.thin(self.samples_path)  # in case the run stopped between its checkpoint and the thinning
         self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
         return start, keep_est, q_start
@@ -307,7 +307,7 @@ class Run:
         self.metrics_file.write(json.dumps(m) + "\n")
         self.metrics_file.flush()
         if self.main and records:
-            samples.append(self.samples, m["step"], records)
+            samples.append(self.samples_path, m["step"], records)
         self.report.log(m, records)  # --report_to's dashboards
         if "eval_pass@1" in m and m["step"] > 0:
             if self.main:
@@ -315,7 +315,7 @@ class Run:
             if self.cfg.save:
                 self.checkpoint(m["step"], keep_est, q_start)
             if self.main:  # after the checkpoint: a resumed run's file is then exactly this one
-                samples.thin(self.samples)
+                samples.thin(self.samples_path)
         self.say(log_line(m) if m["step"] > 0 else
                  "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items() if isinstance(v, float)))
 

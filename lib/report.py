@@ -24,8 +24,8 @@ COLUMNS = ("step", "kind", "prompt", "answer", "response", "reward", "length", "
 
 
 def backends(report_to: str) -> list:
-    """--report_to's backends: "none" -> [], "tensorboard,wandb" -> both."""
-    return [b for b in report_to.split(",") if b not in ("none", "")]
+    """--report_to's backends: "none" -> [], "tensorboard,wandb" -> both (each once)."""
+    return list(dict.fromkeys(b for b in report_to.split(",") if b not in ("none", "")))
 
 
 def require(report_to: str):
@@ -102,9 +102,9 @@ class Wandb:
         self.wandb = wandb
         id_file = out / "wandb_id"
         run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # None: wandb makes one
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brorl"), name=os.environ.get("WANDB_NAME", out.name),
-                              id=run_id, resume="allow", config=dataclasses.asdict(cfg),
-                              dir=os.environ.get("WANDB_DIR", str(out)))
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brorl"), id=run_id, resume="allow",
+                              name=os.environ.get("WANDB_NAME", out.name), dir=os.environ.get("WANDB_DIR", str(out)),
+                              config=dataclasses.asdict(cfg), allow_val_change=True)  # a resume may change flags
         id_file.write_text(self.run.id)
 
     def log(self, row: dict):

@@ -9,7 +9,8 @@ Bounded whatever the run's length: a response longer than RESPONSE_CHARS keeps i
 the answer is), and each kind keeps at most MAX_STEPS steps: past that, every other step is dropped (the first
 and the last stay), so the file still spans the whole run, older steps more sparsely than recent ones. At most
 (MAX_STEPS + 1) x sample_prompts x sample_responses eval lines, (MAX_STEPS + eval_every) x sample_groups x
-sample_responses train lines (train steps are thinned at evals), each under ~2 x RESPONSE_CHARS (prompt and response clipped alike).
+sample_responses train lines (train steps are thinned at evals), each under ~2 x RESPONSE_CHARS (prompt and
+response are clipped alike).
 A resumed run first drops the lines after its checkpoint, as metrics.jsonl does; the thinning happens right
 after checkpoints (and at the start), a function of the steps in the file, so a resumed run's file is the
 uninterrupted run's.

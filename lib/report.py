@@ -5,7 +5,7 @@ grouped names (rollout/, update/, eval/, mass/, time/) with the step as x; the c
 hyperparameters; samples.jsonl's records at each step as a table. The run's name is its directory's; a
 --resume continues the same run: TensorBoard the same log dir (<out>/tensorboard), the steps after the
 checkpoint purged; wandb the run whose id <out>/wandb_id holds. Both packages are optional: a missing one
-stops the run with one line before anything is done. Rank 0 alone reports (start() gives the others none).
+stops the run with one line before anything is done. Rank 0 alone reports (Report opens no backend on the others).
 """
 
 import dataclasses
@@ -56,7 +56,8 @@ def grouped(row: dict) -> dict:
 
 
 def table_rows(records: list) -> list:
-    return [[r.get(c, "") if c != "step" else r["step"] for c in COLUMNS] for r in records]
+    """samples.jsonl's records (with their step) as rows of COLUMNS; a field a kind lacks is empty."""
+    return [[r.get(c, "") for c in COLUMNS] for r in records]
 
 
 # ----------------------------------------------------------------------------

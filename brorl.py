@@ -50,7 +50,7 @@ import torch
 
 import data
 import verify
-from lib import config, distributed, harness, mass
+from lib import config, distributed, harness, mass, samples
 from lib.config import fail
 from lib.objectives import cispo_token_loss, gspo_token_loss, max_variance_subset
 from lib.policy import (as_reference, autocast, clip_gradients, make_reference, pack_groups, response_logprobs,
@@ -130,10 +130,14 @@ class Config:
     mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the eval set; n > 0 n train prompts
     gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is the gate; below, low
     gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
+    sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl (lib/samples.py)
+    sample_responses: int = 4  # responses kept per prompt: the eval's first, and with --sample_groups the trained ones'
+    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their advantages
     memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
     plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading no weights
     save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
+    report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb (lib/report.py)
     resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
     init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a new run directory
     init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are this run's); else a fresh AdamW
@@ -395,6 +399,7 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
         upd = update_policy(model, ref_model, opt, batch, adv[my_groups].flatten().to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
         upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
+        upd["train_responses"] = samples.group_records(kept, keep, adv, tok, cfg)  # to samples.jsonl, not metrics
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
@@ -405,10 +410,11 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy. pass@k
     is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2, 4, ... and n
-    itself; the sampled responses' mean length and truncated share."""
+    itself; the sampled responses' mean length and truncated share; the first few of them (samples.jsonl)."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
-    _, _, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg, seeds, max_new)  # (P, n)
+    ro, mine, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg, seeds, max_new)  # (P, n)
+    responses, ro = samples.eval_records(examples, ro, mine, correct, lengths, truncated, cfg), None  # ro freed before greedy
     greedy = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg, seeds, max_new)[2]  # (P, 1)
     ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
@@ -418,6 +424,7 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
     m["eval_correct"] = [int(c) for c in correct.sum(1)]  # per held-out problem, of n samples: for paired tests
     m["eval_resp_len"] = lengths.mean().item()  # tokens per sampled response
     m["eval_truncated"] = truncated.mean().item()  # share that hit the length cap
+    m["eval_responses"] = responses  # the first few, for samples.jsonl (harness.Run.log), not for metrics.jsonl
     return m
 
 

@@ -155,6 +155,15 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).to(x.device)
 
 
+def gather_list(items: list) -> list:
+    """Each rank's list (of any picklable items) concatenated in rank order, on every rank."""
+    if not dist.is_initialized():
+        return items
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
 def all_sum(x) -> torch.Tensor:
     """Sum over ranks of a number or a tensor of numbers (float64: counts and sums of losses)."""
     t = torch.as_tensor(x, dtype=torch.float64).cpu().clone()

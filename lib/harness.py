@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 
 import data
 import verify
-from lib import distributed, mass, planner
+from lib import distributed, mass, planner, report, samples
 from lib.config import fail
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy, split_revision, trainable
 
@@ -249,6 +249,7 @@ class Run:
         self.main = distributed.is_main()
         self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
         self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
+        self.samples_path, self.report = out / "samples.jsonl", None  # what the model wrote; the dashboards (restore())
 
     def say(self, line: str):
         if self.main:
@@ -282,6 +283,10 @@ class Run:
             load_optimizer(self.model, opt, torch.load(init / "trainer_state.pt", map_location="cpu", weights_only=True),
                            self.cfg, f"--init_from {self.cfg.init_from}")
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
+        if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
+            samples.rewind(self.samples_path, start if self.resume else -1)
+            samples.thin(self.samples_path)  # in case the run stopped between its checkpoint and the thinning
+        self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
         return start, keep_est, q_start
 
@@ -301,16 +306,23 @@ class Run:
 
     def log(self, m: dict, keep_est: float = 0.5, q_start=None):
         """Step m's row, with the training clock, to metrics.jsonl and the log line; at an evaluation
-        also metrics.png and (--save) the checkpoint, which holds keep_est and the step-0 probe mass."""
+        also metrics.png and (--save) the checkpoint, which holds keep_est and the step-0 probe mass. The
+        responses m carries (brorl.evaluate's, rl_step's with --sample_groups) go to samples.jsonl instead."""
+        records = [r for key in ("train_responses", "eval_responses") for r in m.pop(key, [])]
         m.update(self.clock.total)
         self.rows.append(m)
         self.metrics_file.write(json.dumps(m) + "\n")
         self.metrics_file.flush()
+        if self.main and records:
+            samples.append(self.samples_path, m["step"], records)
+        self.report.log(m, records)  # --report_to's dashboards
         if "eval_pass@1" in m and m["step"] > 0:
             if self.main:
                 plot_metrics(self.rows, self.out / "metrics.png")  # refreshed at every eval, not only at the end
             if self.cfg.save:
                 self.checkpoint(m["step"], keep_est, q_start)
+            if self.main:  # after the checkpoint: a resumed run's file is then exactly this one
+                samples.thin(self.samples_path)
         self.say(log_line(m) if m["step"] > 0 else
                  "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items() if isinstance(v, float)))
 
@@ -324,6 +336,7 @@ class Run:
 
     def finish(self) -> list:
         self.metrics_file.close()
+        self.report.close()
         first, last = self.rows[0], self.rows[-1]
         if "eval_pass@1" in last:
             self.say(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
@@ -336,6 +349,7 @@ def start(cfg) -> Run:
     """Set a training run up: seeds, processes, data, the policy (--resume: the checkpoint's; --init_from:
     that run's policy), a LoRA adapter, --grad_ckpt, the memory plan (lowers max_rows and micro_batch to
     fit), the run directory with config.json, and K > 1: the model sharded with a full replica beside it."""
+    report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
     flag = "--resume" if ckpt else "--init_from" if init else "--model"

@@ -260,6 +260,13 @@ def test_resumed_two_process_run_equals_the_straight_one(runs):
     assert [strip(r) for r in metrics(runs["two_resumed"])] == [strip(r) for r in metrics(runs["two"])]
 
 
+def test_rank_0_writes_every_ranks_samples(runs):
+    """samples.jsonl under K = 2 is one process's: rank 0 writes the held-out prompts of rank 1's share too."""
+    read = lambda out: [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    step0 = lambda out: [r for r in read(out) if r["step"] == 0]  # the same weights: the same responses
+    assert step0(runs["two"]) == step0(runs["one"]) and len(step0(runs["one"])) == 3 * 2  # 3 prompts x 2 samples
+
+
 def test_resume_needs_the_same_number_of_processes(runs, tmp_path, capsys):
     import shutil
     run = shutil.copytree(runs["two"], tmp_path / "two")  # a 2-process run, resumed by one process

@@ -13,6 +13,8 @@ Each config runs once per --seeds value. Flags ablate.py does not know go to eve
 Layout: <out>/<config>/seed<S>/ is a brorl run directory (config.json, metrics.jsonl, metrics.png,
 ckpt/), plus log.txt (the run's stdout and stderr) and done.json (the command, written only when
 the run exits 0). <config> names the axes' values, e.g. `n_rollouts=16,prompts_per_step=8`.
+With --report_to wandb (passed through), the sweep's runs share a wandb group, the sweep directory's
+name, and each is named <config>/seed<S>; with tensorboard, TensorBoard on <out> shows them all.
 Rerunning the same command skips every run whose done.json holds the same command and reruns the
 others from scratch (a crashed or killed run); a done.json with another command is an error, not
 silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on.
@@ -143,6 +145,9 @@ def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
         (run_dir / stale).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     env = thread_env(threads)
+    # with --report_to wandb: the sweep's runs in one group (the sweep directory's name), each named <config>/seed<S>
+    env.setdefault("WANDB_RUN_GROUP", run_dir.parent.parent.name)
+    env.setdefault("WANDB_NAME", f"{run_dir.parent.name}/{run_dir.name}")
     cmd = [sys.executable, str(HERE / "brorl.py"), *argv]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as log:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels import linear_logprobs, token_logprobs
@@ -46,7 +47,7 @@ def load_policy(name: str, device, flag="--model"):
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
                                                      attn_implementation="brorl")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a cut-short or corrupt weights file
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -94,16 +94,13 @@ def held_run(out: Path) -> list:
 
 
 def surviving_checkpoint(run: Path):
-    """The checkpoint --resume continues from: run/ckpt; else, after a crash inside the save's swap
-    (harness.save_atomic: ckpt -> ckpt.old, then ckpt.tmp -> ckpt), ckpt.tmp, which was whole before
-    ckpt.old was made; else ckpt.old. None if there is none (a ckpt.tmp alone may be half-written)."""
-    ckpt, tmp, old = run / "ckpt", run / "ckpt.tmp", run / "ckpt.old"
+    """The checkpoint --resume continues from: run/ckpt; else what a crash inside its save left
+    (harness.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt -> ckpt.old and
+    ckpt.tmp -> ckpt): ckpt.tmp if whole (the newer), else ckpt.old. None if there is none."""
     whole = lambda d: (d / "trainer_state.pt").is_file()
-    if ckpt.is_dir():
-        return ckpt if whole(ckpt) else None
-    if old.is_dir():
-        return tmp if whole(tmp) else old if whole(old) else None
-    return None
+    if (run / "ckpt").is_dir():
+        return run / "ckpt" if whole(run / "ckpt") else None
+    return next((d for d in (run / "ckpt.tmp", run / "ckpt.old") if whole(d)), None)
 
 
 def parse_config(config_cls, description: str, argv=None, presets=None):

@@ -232,8 +232,9 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     """Write the checkpoint into a temp dir, then swap it in: never a half-written checkpoint, and
     the previous one stays whole until the new one is. `state` is what --resume needs besides the
     policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass.
-    A crash between the two renames leaves ckpt.old and ckpt.tmp both whole (config.surviving_checkpoint);
-    a full disk leaves the previous checkpoint as it was and no temp dir."""
+    A crash before or between the two renames leaves a whole ckpt.tmp (its trainer_state.pt is written
+    last) and ckpt.old or ckpt/ (config.surviving_checkpoint); a full disk leaves the previous checkpoint
+    as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -242,7 +243,8 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-            torch.save(state, tmp / "trainer_state.pt")
+            torch.save(state, tmp / "trainer_state.part")  # last, and renamed: its name marks the temp dir whole
+            os.replace(tmp / "trainer_state.part", tmp / "trainer_state.pt")
     except BaseException:  # a full disk (one line), Ctrl-C, any error: no half-written temp left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -348,7 +350,11 @@ def eval_generator(device, seed: int, step: int) -> torch.Generator:
 def checkpoint_dir(path: str) -> Path:
     """--init_from's checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
     run = Path(path)
-    return run / "ckpt" if (run / "ckpt" / "config.json").is_file() else run
+    if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
+        return run / "ckpt"
+    if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
+        fail(f"--init_from {path}: holds no checkpoint (no ckpt/ in it, and no model's config.json)")
+    return run
 
 
 class Clock:

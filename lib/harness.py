@@ -315,7 +315,26 @@ def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
         fail(f"{flag} {task}: {e}")
     if not rows:
         fail(f"{flag} {task}: its {split} split is empty" + (" (name a held-out source: --eval_task)" * (split == "test")))
+    if task != "arith":  # a dataset's repeated rows would weigh twice (arith's problems are distinct by construction)
+        unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
+        if len(unique) < len(rows) and distributed.is_main():
+            tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of {len(rows)} ({split} split)")
+        rows = unique
     return rows
+
+
+def check_overlap(cfg, train_set: list, held_out: list):
+    """An --eval_task that shares prompts with the training set would score trained prompts as held-out
+    ones: said, and refused unless --eval_overlap allows it."""
+    trained = {e["prompt"] for e in train_set}
+    shared = sum(e["prompt"] in trained for e in held_out)
+    if not shared:
+        return
+    line = f"--eval_task {cfg.eval_task}: {shared} of its {len(held_out)} prompts are in --task's training set"
+    if not cfg.eval_overlap:
+        fail(line + " (its score would not be held out; --eval_overlap 1 allows it)")
+    if distributed.is_main():
+        tqdm.write(line + " (allowed by --eval_overlap)")
 
 
 def setup(cfg, policy: str, flag: str, with_train_set=True):
@@ -331,6 +350,8 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     # unchanged), so that runs of different seeds are scored on the same problems, paired problem by problem
     held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    if cfg.eval_task and train_set:
+        check_overlap(cfg, train_set, held_out)
     eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
     model, tok = load_policy(policy, device, flag)
     if bad := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
@@ -352,8 +373,10 @@ def checkpoint_dir(path: str) -> Path:
     run = Path(path)
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
+    if (run / "metrics.jsonl").is_file():  # a run directory (its config.json is brorl's, not a model's)
+        fail(f"--init_from {path}: the run holds no checkpoint (no ckpt/: --save 0, or stopped before its first eval)")
     if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
-        fail(f"--init_from {path}: holds no checkpoint (no ckpt/ in it, and no model's config.json)")
+        fail(f"--init_from {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
 
 

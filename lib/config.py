@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import data
 import verify
@@ -24,7 +25,7 @@ from lib import distributed
 
 def fail(msg: str):
     """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
-    print(f"error: {msg}", file=sys.stderr)
+    tqdm.write(f"error: {msg}", file=sys.stderr)  # on a line of its own, under a progress bar if one is drawn
     sys.exit(2)
 
 
@@ -161,7 +162,8 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
         parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
     kinds = {f.name: (int, float) if f.type is float else f.type for f in dataclasses.fields(config_cls)}
     if bad := [k for k, v in base.items() if not isinstance(v, kinds[k]) or (kinds[k] is int and isinstance(v, bool))]:
-        parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a {kinds[bad[0]].__name__}")
+        parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a "
+                     f"{'number' if kinds[bad[0]] == (int, float) else kinds[bad[0]].__name__}")
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
     for name in FIXED_ON_RESUME:
         if name in overrides and overrides[name] != base.get(name, defaults[name]):

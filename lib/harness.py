@@ -407,12 +407,12 @@ class Run:
     model trained, K > 1 sharded by FSDP2) and its full replica (rollouts, evaluation, checkpoints), the
     run directory and its metrics, the clock. Rank 0 alone prints and writes."""
 
-    def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out, lock, state):
+    def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows):
         self.cfg, self.device, self.train_set, self.eval_set = cfg, device, train_set, eval_set
         self.model, self.replica, self.tok, self.out, self.lock = model, replica, tok, out, lock
         self.state = state  # --resume: the checkpoint's trainer_state.pt (read_trainer_state), else None
         self.main = distributed.is_main()
-        self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
+        self.rows, self.metrics_file, self.clock = rows, None, Clock(cfg, {})  # rows: --resume's, up to its checkpoint
         self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
 
     def say(self, line: str):
@@ -437,12 +437,9 @@ class Run:
             gen_cpu.set_state(state["gen_cpu"])
             if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
                 ref_model.load_state_dict(state["ref"])
-            self.rows = read_metrics(self.out, start, self.say)  # steps logged after the checkpoint are redone
             self.say(f"resumed {self.out} at step {start}")
         elif self.cfg.init_optimizer:  # a new run (step 0, its own random streams) on the old run's AdamW moments
             init = checkpoint_dir(self.cfg.init_from)
-            if not (init / "trainer_state.pt").is_file():
-                fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
             load_optimizer(self.model, opt, torch.load(init / "trainer_state.pt", map_location="cpu", weights_only=True),
                            self.cfg, f"--init_from {self.cfg.init_from}")
         if self.main:  # the run directory is written once everything has loaded
@@ -510,7 +507,11 @@ def start(cfg) -> Run:
     stop_on_ctrl_c("interrupted before the run began: nothing written")
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None  # ckpt/, or what a crash in its save left
     state = read_trainer_state(ckpt, cfg) if ckpt else None
+    say = tqdm.write if distributed.is_main() else (lambda line: None)
+    rows = read_metrics(Path(cfg.resume), state["step"], say) if ckpt else []  # rows logged after it are redone
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
+    if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
+        fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
     cfg, device, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
     if init:  # config.json names the weights the run began from
@@ -520,11 +521,9 @@ def start(cfg) -> Run:
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
-    main = distributed.is_main()
     out, lock = make_run_dir(cfg, resume_from=ckpt)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)")
     dtype = compute_dtype(cfg, device)
-    say = tqdm.write if main else (lambda line: None)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
@@ -533,7 +532,7 @@ def start(cfg) -> Run:
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
-    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state)
+    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows)
 
 
 def read_trainer_state(ckpt: Path, cfg) -> dict:
@@ -562,7 +561,7 @@ def stop_on_ctrl_c(note: str):
 
     def interrupted(signum, frame):
         if distributed.is_main():
-            print(note, file=sys.stderr)
+            tqdm.write(note, file=sys.stderr)
         sys.exit(130)
     signal.signal(signal.SIGINT, interrupted if note else signal.default_int_handler)
 

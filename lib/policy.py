@@ -47,7 +47,10 @@ def load_policy(name: str, device, flag="--model"):
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
                                                      attn_implementation="brorl")
-    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a cut-short or corrupt weights file
+    except SafetensorError as e:  # a weights file cut short or corrupt
+        files = ", ".join(f.name for f in sorted(Path(name).expanduser().glob("*.safetensors"))) or "its .safetensors"
+        fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
+    except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

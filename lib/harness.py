@@ -605,6 +605,7 @@ def eval_only(cfg, evaluate) -> dict:
     """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly as a
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
+    stop_on_ctrl_c("interrupted: no eval.json written")
     cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
     out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
     t0 = time.perf_counter()
@@ -615,5 +616,6 @@ def eval_only(cfg, evaluate) -> dict:
         write_eval(out / "eval.json", report)
         print(eval_table(report))
         lock.release()
+    stop_on_ctrl_c("")
     distributed.teardown()
     return report

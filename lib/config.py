@@ -229,10 +229,10 @@ def check_config(cfg) -> str:
     """The first thing wrong with cfg, as one line naming the flag, or ''. Every number's range is checked
     here, before any work: a value out of range would train silently wrong (a negative --grad_clip flips
     the gradient, --lr 0 trains nothing) or crash after training, before its checkpoint."""
-    finite = all(math.isfinite(getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.type is float)
+    not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                  if f.type is float and not math.isfinite(getattr(cfg, f.name))]  # inf passes a range below
     checks = [
-        (finite, "flags must be finite numbers: " + ", ".join(f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                                                                if f.type is float and not math.isfinite(getattr(cfg, f.name)))),
+        (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
         (cfg.grad_clip > 0, f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the gradient, 0 zeroes it)"),

@@ -47,7 +47,7 @@ class RunLock:
     held = {}
 
     def __init__(self, out: Path, say):
-        self.path = out / ".lock"
+        self.path = out.resolve() / ".lock"  # (one directory, however spelled)
         if self.path in RunLock.held:  # an earlier run of this process that never finished
             RunLock.held.pop(self.path).release()
         while True:

@@ -49,6 +49,13 @@ def same_weights(a: Path, b: Path) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.fixture(autouse=True)
+def python_handles_ctrl_c():
+    """A run that ends by an exception (as some here do) leaves its Ctrl-C handler set: Python's again after."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """A finished 2-step run, its checkpoint at step 2."""
@@ -251,10 +258,7 @@ def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
             signal.raise_signal(signal.SIGINT)
         return rl_step(*args)
     monkeypatch.setattr(brorl, "rl_step", interrupted_at_step_2)
-    try:
-        code, err = run_in_process(capsys, "--out", str(out), "--steps", "3", "--eval_every", "1", *TINY)
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    code, err = run_in_process(capsys, "--out", str(out), "--steps", "3", "--eval_every", "1", *TINY)
     assert code == 130 and "Traceback" not in err
     assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)"
     monkeypatch.setattr(brorl, "rl_step", rl_step)

@@ -67,6 +67,7 @@ class Config:
     model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or local dir (default: the embedded tiny model)
     task: str = "arith"  # arith (embedded), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
     eval_task: str = ""  # a separate held-out source, same syntax (all its rows); default: --task's held-out split
+    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set (else refused: not held out)
     system_prompt: str = ""  # system message before each prompt (needs a chat template; default: none)
     digits: int = 3  # arith: digits per operand (the difficulty knob)
     dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU, bf16 CUDA

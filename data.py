@@ -41,6 +41,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -305,10 +306,21 @@ class WarmStart:
     threads: int = 1  # torch CPU threads: 1 keeps the summation order in one process; fastest on a busy CPU
 
     def __post_init__(self):
+        """Every number's range (a ValueError naming the flag): a bad one would fail mid-build or build wrong."""
         if self.task not in ("arith", "keys"):
             raise ValueError(f"--task {self.task!r}: choose arith or keys")
         if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
             raise ValueError(f"--slips: unknown {bad}; choose among {[k for k in PROCEDURES if k != 'correct']}")
+        checks = [(0 <= self.p_correct <= 1, "--p_correct: need a probability in [0, 1]"),
+                  (1 <= self.digits <= 20, "--digits: need 1..20 (the prompt must fit the model's 64 positions)"),
+                  (self.steps_addition >= 1 and self.steps_mixture >= 1, "--steps_addition, --steps_mixture: need >= 1"),
+                  (self.steps_equal >= 0, "--steps_equal: need >= 0"),
+                  (math.isfinite(self.lr) and self.lr > 0, "--lr: need a finite lr > 0"),
+                  (math.isfinite(self.weight_decay) and self.weight_decay >= 0, "--weight_decay: need >= 0"),
+                  (min(self.batch_size, self.warmup, self.eval_prompts, self.eval_samples, self.threads) >= 1,
+                   "--batch_size, --warmup, --eval_prompts, --eval_samples, --threads: need >= 1")]
+        if problem := next((msg for ok, msg in checks if not ok), None):
+            raise ValueError(problem)
 
 
 VARIANTS = {  # `python data.py build` builds both
@@ -529,7 +541,10 @@ def main(argv=None) -> None:
     ap.add_argument("--variant", choices=["all", *VARIANTS], default="all", help="which preset(s) to build")
     for f in fields(WarmStart):  # every field is a flag; a flag given overrides the variant's value
         ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name, "").replace("%", "%%"))
+    ap.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))  # one line, no usage
     args = ap.parse_args(argv)
+    if args.layers < 1:
+        ap.error(f"--layers {args.layers}: need >= 1")
     if args.command == "rehearsal":
         if args.out is None:
             ap.error("rehearsal needs --out DIR")
@@ -541,8 +556,11 @@ def main(argv=None) -> None:
     if args.out is not None and len(names) > 1:
         ap.error("--out needs a single --variant")
     overrides = {f.name: getattr(args, f.name) for f in fields(WarmStart) if getattr(args, f.name) is not None}
-    for name in names:
-        cfg = WarmStart(**{**VARIANTS[name], **overrides})
+    try:  # every variant's config checked before any is built
+        cfgs = {name: WarmStart(**{**VARIANTS[name], **overrides}) for name in names}
+    except ValueError as e:
+        ap.error(str(e))
+    for name, cfg in cfgs.items():
         report, model, tok = (warm_start_keys if cfg.task == "keys" else warm_start)(cfg)
         save(model, tok, cfg, report)
         if cfg.task == "keys":

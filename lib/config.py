@@ -15,6 +15,9 @@ import re
 import sys
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 import data
 import verify
 from lib import distributed
@@ -22,7 +25,7 @@ from lib import distributed
 
 def fail(msg: str):
     """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
-    print(f"error: {msg}", file=sys.stderr)
+    tqdm.write(f"error: {msg}", file=sys.stderr)  # on a line of its own, under a progress bar if one is drawn
     sys.exit(2)
 
 
@@ -42,13 +45,72 @@ def parse_bool(s: str) -> bool:
     raise argparse.ArgumentTypeError(f"{s!r} is not a boolean (true/false, yes/no, 1/0)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose refusals are fail()'s one line, not the usage block above it."""
+
+    def error(self, message: str):
+        fail(message)
+
+
+def numbers_as_values(argv: list) -> list:
+    """argv with each negative number in scientific or special notation joined to its flag (--lr -1e-3
+    -> --lr=-1e-3): argparse takes "-1e-3" or "-inf" for an option ("expected one argument"), so that the
+    range checks, not argparse, judge the value."""
+    joined = []
+    for a in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and a.startswith("-") and is_number(a):
+            joined[-1] += "=" + a
+        else:
+            joined.append(a)
+    return joined
+
+
+def is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def read_json(path: Path, flag: str) -> dict:
+    """A JSON object from a file, or one line naming the file (a run's config.json cut short or edited)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"{flag}: {path} is unreadable ({getattr(e, 'msg', None) or e})")
+    if not isinstance(obj, dict):
+        fail(f"{flag}: {path} is not a JSON object")
+    return obj
+
+
+# The files by which a directory holds a run: a new run there would truncate its metrics and replace its
+# checkpoint (a plain directory, or one holding only a sweep's log.txt, is not a run)
+RUN_FILES = ("config.json", "metrics.jsonl", "ckpt", "ckpt.old", "ckpt.tmp")
+
+
+def held_run(out: Path) -> list:
+    """The run files that `out` holds (RUN_FILES), [] for a new or empty directory."""
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def surviving_checkpoint(run: Path):
+    """The checkpoint --resume continues from: run/ckpt; else what a crash inside its save left
+    (harness.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt -> ckpt.old and
+    ckpt.tmp -> ckpt): ckpt.tmp if whole (the newer), else ckpt.old. None if there is none."""
+    whole = lambda d: (d / "trainer_state.pt").is_file()
+    if (run / "ckpt").is_dir():
+        return run / "ckpt" if whole(run / "ckpt") else None
+    return next((d for d in (run / "ckpt.tmp", run / "ckpt.old") if whole(d)), None)
+
+
 def parse_config(config_cls, description: str, argv=None, presets=None):
     """Config from the command line: the preset's overrides, then the flags given. With --resume, the
     run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
     FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is refused, as
     it could not take effect; then check_config."""
     presets = PRESETS if presets is None else presets
-    parser = argparse.ArgumentParser(description=description)
+    parser = OneLineParser(description=description)
     helps = field_help(config_cls)
     for f in dataclasses.fields(config_cls):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
@@ -60,35 +122,54 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
         parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
                             metavar=f.type.__name__.upper())
-    args = vars(parser.parse_args(argv))
+    args = vars(parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")
     if preset and preset not in presets:
         parser.error(f"--preset {preset!r}: unknown (choose from {sorted(presets)})")
     base = presets.get(preset, {})
     if overrides.get("resume"):
-        run = Path(overrides["resume"])
-        for need in (run / "config.json", run / "ckpt" / "trainer_state.pt"):
-            if not need.is_file():
-                parser.error(f"--resume {run}: no checkpoint to resume ({need} is missing)")
-        if Path(overrides.get("out", run)) != run:
-            parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
-        if preset:
-            parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
-        base = json.loads((run / "config.json").read_text())
-        if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
-            parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
-        defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
-        for name in FIXED_ON_RESUME:
-            if name in overrides and overrides[name] != base.get(name, defaults[name]):
-                parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
-                             f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
-        overrides["out"] = str(run)
+        base = resumed_config(parser, config_cls, overrides, preset)
+        overrides["out"] = overrides["resume"]
+    elif not overrides.get("plan") and not overrides.get("eval_only") and overrides.get("out"):
+        if held := held_run(Path(overrides["out"])):  # its metrics and checkpoint would be replaced
+            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): continue it with --resume "
+                         f"{overrides['out']}, or give another --out (delete that directory to start it over)")
     cfg = config_cls(**{**base, **overrides})
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
     return cfg
+
+
+def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
+    """--resume: the run's own config.json, checked: a checkpoint to continue (ckpt/, or the whole one a
+    crash inside its save left), the same directory as --out, no --preset, no field this Config lacks,
+    no flag changed that the checkpoint fixes."""
+    run = Path(overrides["resume"])
+    if overrides.get("init_from"):
+        parser.error("--init_from starts a new run from a checkpoint; --resume continues one: not both")
+    if not (run / "config.json").is_file():
+        parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
+    if surviving_checkpoint(run) is None:
+        parser.error(f"--resume {run}: no checkpoint to resume ({run / 'ckpt' / 'trainer_state.pt'} is missing)")
+    if Path(overrides.get("out", run)).resolve() != run.resolve():  # one directory may be spelled two ways
+        parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
+    if preset:
+        parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
+    base = read_json(run / "config.json", f"--resume {run}")
+    if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
+        parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
+    kinds = {f.name: (int, float) if f.type is float else f.type for f in dataclasses.fields(config_cls)}
+    if bad := [k for k, v in base.items() if not isinstance(v, kinds[k]) or (kinds[k] is int and isinstance(v, bool))]:
+        parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a "
+                     f"{'number' if kinds[bad[0]] == (int, float) else kinds[bad[0]].__name__}")
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
+    for name in FIXED_ON_RESUME:
+        if name in overrides and overrides[name] != base.get(name, defaults[name]):
+            parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
+                         f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
+    return base
 
 
 # Presets are named bundles of overrides, never a second source of defaults.
@@ -130,9 +211,40 @@ FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", 
                    "mass_prompts", "init_from", "init_optimizer")
 
 
+def check_device(device: str) -> str:
+    """What is wrong with --device here, or '': auto, cpu, cuda (this process's GPU) or cuda:<index>."""
+    if device in ("auto", "cpu"):
+        return ""
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        return f"--device {device!r}: not a device (choose auto, cpu, cuda or cuda:<index>)"
+    if d.type != "cuda":
+        return f"--device {device}: brorl runs on cpu or cuda"
+    if not torch.cuda.is_available():
+        return f"--device {device}: no CUDA device is available here (use cpu, or auto)"
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), 0 to {torch.cuda.device_count() - 1}"
+    return ""
+
+
 def check_config(cfg) -> str:
-    """The first thing wrong with cfg, as one line naming the flag, or ''."""
+    """The first thing wrong with cfg, as one line naming the flag, or ''. Every number's range is checked
+    here, before any work: a value out of range would train silently wrong (a negative --grad_clip flips
+    the gradient, --lr 0 trains nothing) or crash after training, before its checkpoint."""
+    not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                  if f.type is float and not math.isfinite(getattr(cfg, f.name))]  # inf passes a range below
     checks = [
+        (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
+        (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
+        (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
+        (cfg.grad_clip > 0, f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the gradient, 0 zeroes it)"),
+        (cfg.kl_coef >= 0, f"--kl_coef {cfg.kl_coef}: need >= 0 (0: no KL)"),
+        (cfg.kl_coef == 0 or cfg.ref_reset_every >= 1, f"--ref_reset_every {cfg.ref_reset_every}: need >= 1 steps with --kl_coef > 0"),
+        (0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: need 0 <= eps_low < 1 (the ratio's floor 1 - eps_low must stay above 0)"),
+        (cfg.clip_high >= 0, f"--clip_high {cfg.clip_high}: need >= 0"),
+        (cfg.probe_prompts >= 1, f"--probe_prompts {cfg.probe_prompts}: need >= 1 (the probe's Q is logged at every eval)"),
+        (not check_device(cfg.device), check_device(cfg.device)),
         (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
         (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts,

@@ -61,9 +61,13 @@ def is_main() -> bool:
 
 
 def pick_device(device: str) -> torch.device:
-    """The --device flag as a device: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU."""
+    """The --device flag as a device: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU;
+    cuda without an index = this rank's GPU too (a CUDA device needs its index to be set)."""
+    gpu = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     if device == "auto":
-        device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+        device = gpu if torch.cuda.is_available() else "cpu"
+    elif device == "cuda":
+        device = gpu
     return torch.device(device)
 
 

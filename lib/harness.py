@@ -6,13 +6,19 @@ checkpoints written so that a crash never leaves a half-written one, --resume an
 --plan and --eval_only. The command line itself is config.py.
 """
 
+import atexit
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +30,7 @@ from transformers.utils import logging as hf_logging
 import data
 import verify
 from lib import distributed, mass, planner, report, samples
-from lib.config import fail
+from lib.config import fail, held_run, surviving_checkpoint
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy, split_revision, trainable
 
 
@@ -32,32 +38,160 @@ from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_l
 # The run directory: config.json, metrics.jsonl (one dict per step), metrics.png, ckpt/
 
 
-def make_run_dir(cfg) -> Path:
-    """--out, made and checked writable by rank 0; every rank gets its name (the default one holds rank 0's time)."""
+class RunLock:
+    """<out>/.lock, flock()ed for a run's life: a second process on the same --out is refused. The kernel
+    drops the lock when its process ends, however it ends; the file then left behind (a kill, a crash)
+    names a process that is gone, and the next run there reclaims it with a line. A run that finishes,
+    or exits on an error, removes the file. `held`: the locks this process holds, by directory (one
+    process may start several runs: tests; a run that ended on an exception never released its own)."""
+    held = {}
+
+    def __init__(self, out: Path, say):
+        self.path = out.resolve() / ".lock"  # (one directory, however spelled)
+        if self.path in RunLock.held:  # an earlier run of this process that never finished
+            RunLock.held.pop(self.path).release()
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(self.fd, 64).decode(errors="replace").strip() or "?"
+                os.close(self.fd)
+                fail(f"--out {out}: another run (pid {holder}) is using it; wait for it to end, or give another --out")
+            if self.same_file():
+                break
+            os.close(self.fd)  # its holder removed the file as we locked it: lock the new one
+        self.previous = os.read(self.fd, 64).decode(errors="replace").strip()  # a gone holder's pid
+        self.say, self.out = say, out
+        RunLock.held[self.path] = self
+
+    def same_file(self) -> bool:
+        try:
+            return os.fstat(self.fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def take(self):
+        """Write this process's pid into the lock (after the checks: a refused run changes nothing)."""
+        if self.previous:
+            self.say(f"--out {self.out}: reclaimed the lock of pid {self.previous}, which is gone (a run killed or crashed)")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        self.previous = ""
+
+    def release(self):
+        """Remove the lock file (unless it held a gone run's pid that we never replaced) and unlock."""
+        if self.fd is None:
+            return
+        if not self.previous and self.same_file():
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+        RunLock.held.pop(self.path, None)
+
+
+@atexit.register
+def release_locks():
+    """A run that exits on an error (fail(), Ctrl-C) leaves no lock file behind."""
+    for lock in list(RunLock.held.values()):
+        lock.release()
+
+
+def make_run_dir(cfg, resume_from=None, fresh=True) -> tuple:
+    """(--out, its RunLock): made and locked by rank 0 (every rank gets its name; the default one holds
+    rank 0's time). Under the lock, checked again: a new run (`fresh`) needs a directory that holds no
+    run, a --resume the checkpoint it loaded from (`resume_from`), which is put back in place as ckpt/
+    if a crash inside its save left it as ckpt.tmp or ckpt.old."""
     if not distributed.is_main():
-        return Path(distributed.broadcast(None))
+        return Path(distributed.broadcast(None)), None
     out = Path(cfg.out or f"runs/{cfg.task.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    say = tqdm.write
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
+        lock = RunLock(out, say)
     except OSError as e:
         fail(f"--out {out}: cannot write there ({e.strerror})")
-    return Path(distributed.broadcast(str(out)))
+    if fresh and not resume_from and (held := held_run(out)):  # a run that ended since parse_config looked
+        lock.release()
+        fail(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume {out}, or give another --out")
+    if resume_from:
+        if surviving_checkpoint(out) != resume_from:
+            lock.release()
+            fail(f"--resume {out}: its checkpoint changed while it was loading (another run?); run the command again")
+        put_back_checkpoint(out, resume_from, say)
+    lock.take()
+    return Path(distributed.broadcast(str(out))), lock
+
+
+def put_back_checkpoint(out: Path, ckpt: Path, say):
+    """ckpt.tmp or ckpt.old (surviving_checkpoint's choice, after a crash between the save's two renames)
+    renamed to ckpt/, the other removed: what the save would have done."""
+    if ckpt.name == "ckpt":
+        return
+    os.replace(ckpt, out / "ckpt")
+    for other in ("ckpt.tmp", "ckpt.old"):
+        shutil.rmtree(out / other, ignore_errors=True)
+    say(f"--resume {out}: no ckpt/ (a crash inside its save); took the whole {ckpt.name}/ as ckpt/")
+
+
+def write_atomic(path: Path, text: str):
+    """path holding text, whole or not at all (a crash leaves the old file, never half of the new)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def open_metrics(out: Path, rows: list):
     """metrics.jsonl holding exactly `rows` (a resumed run's rows, whole or not at all), open to append."""
-    (out / "metrics.jsonl.tmp").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(out / "metrics.jsonl.tmp", out / "metrics.jsonl")
+    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     return open(out / "metrics.jsonl", "a")
 
 
-def read_metrics(out: Path, upto: int) -> list:
-    """The rows of a run's metrics.jsonl up to step `upto` (rows logged after a checkpoint are redone)."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(out: Path, upto: int, say) -> list:
+    """The rows of a run's metrics.jsonl up to step `upto` (rows logged after a checkpoint are redone).
+    A last line cut short (the disk filled, the process was killed as it wrote) is dropped with a line;
+    any other unreadable line stops with one line naming it."""
+    path = out / "metrics.jsonl"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        fail(f"--resume {out}: cannot read {path} ({e.strerror})")
+    rows = [metrics_row(line) for line in lines]
+    if lines and rows[-1] is None:
+        say(f"--resume {out}: dropped the last line of {path}, cut short ({len(lines[-1])} characters)")
+        rows.pop()
+    if None in rows:
+        fail(f"--resume {out}: {path} line {rows.index(None) + 1} is not a metrics row "
+             f"({lines[rows.index(None)][:60]!r})")
     return [r for r in rows if r["step"] <= upto]
+
+
+def metrics_row(line: str):
+    """One line of metrics.jsonl as its row, or None if it is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def is_disk_full(e: Exception) -> bool:
+    """The ways a full disk surfaces: ENOSPC, torch's zip writer ("unexpected pos", "file write failed"),
+    safetensors' ("StorageFull")."""
+    text = str(e)
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "StorageFull", "unexpected pos", "file write failed"))
+
+
+@contextlib.contextmanager
+def no_space_is_one_line(where: Path, what: str):
+    """A full disk while writing into `where` stops the run with one line saying what is kept."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        fail(f"no space left on {where}: {what}")
 
 
 def log_line(m: dict) -> str:
@@ -102,13 +236,23 @@ def plot_metrics(rows, path: Path):
 def save_atomic(model, tok, cfg, state: dict, path: Path):
     """Write the checkpoint into a temp dir, then swap it in: never a half-written checkpoint, and
     the previous one stays whole until the new one is. `state` is what --resume needs besides the
-    policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass."""
+    policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass.
+    A crash before or between the two renames leaves a whole ckpt.tmp (its trainer_state.pt is written
+    last) and ckpt.old or ckpt/ (config.surviving_checkpoint); a full disk leaves the previous checkpoint
+    as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-    torch.save(state, tmp / "trainer_state.pt")
+    try:
+        with no_space_is_one_line(path.parent, f"the checkpoint of step {state['step']} was not written; "
+                                  f"{path.name}/ keeps the last one (--resume continues from it)"):
+            model.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+            torch.save(state, tmp / "trainer_state.part")  # last, and renamed: its name marks the temp dir whole
+            os.replace(tmp / "trainer_state.part", tmp / "trainer_state.pt")
+    except BaseException:  # a full disk (one line), Ctrl-C, any error: no half-written temp left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
         os.replace(path, old)
@@ -140,9 +284,7 @@ def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
 
 
 def write_eval(path: Path, report: dict):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(report, indent=1) + "\n")
 
 
 def eval_table(report: dict) -> str:
@@ -180,7 +322,26 @@ def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
         fail(f"{flag} {task}: {e}")
     if not rows:
         fail(f"{flag} {task}: its {split} split is empty" + (" (name a held-out source: --eval_task)" * (split == "test")))
+    if task != "arith":  # a dataset's repeated rows would weigh twice (arith's problems are distinct by construction)
+        unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
+        if len(unique) < len(rows) and distributed.is_main():
+            tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of {len(rows)} ({split} split)")
+        rows = unique
     return rows
+
+
+def check_overlap(cfg, train_set: list, held_out: list):
+    """An --eval_task that shares prompts with the training set would score trained prompts as held-out
+    ones: said, and refused unless --eval_overlap allows it."""
+    trained = {e["prompt"] for e in train_set}
+    shared = sum(e["prompt"] in trained for e in held_out)
+    if not shared:
+        return
+    line = f"--eval_task {cfg.eval_task}: {shared} of its {len(held_out)} prompts are in --task's training set"
+    if not cfg.eval_overlap:
+        fail(line + " (its score would not be held out; --eval_overlap 1 allows it)")
+    if distributed.is_main():
+        tqdm.write(line + " (allowed by --eval_overlap)")
 
 
 def setup(cfg, policy: str, flag: str, with_train_set=True):
@@ -196,8 +357,12 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     # unchanged), so that runs of different seeds are scored on the same problems, paired problem by problem
     held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    if cfg.eval_task and train_set:
+        check_overlap(cfg, train_set, held_out)
     eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
     model, tok = load_policy(policy, device, flag)
+    if bad := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
+        fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     if cfg.system_prompt and not tok.chat_template:
         fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
     return cfg, device, train_set, eval_set, model, tok
@@ -213,7 +378,13 @@ def eval_generator(device, seed: int, step: int) -> torch.Generator:
 def checkpoint_dir(path: str) -> Path:
     """--init_from's checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
     run = Path(path)
-    return run / "ckpt" if (run / "ckpt" / "config.json").is_file() else run
+    if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
+        return run / "ckpt"
+    if (run / "metrics.jsonl").is_file():  # a run directory (its config.json is brorl's, not a model's)
+        fail(f"--init_from {path}: the run holds no checkpoint (no ckpt/: --save 0, or stopped before its first eval)")
+    if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
+        fail(f"--init_from {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
+    return run
 
 
 class Clock:
@@ -243,11 +414,12 @@ class Run:
     model trained, K > 1 sharded by FSDP2) and its full replica (rollouts, evaluation, checkpoints), the
     run directory and its metrics, the clock. Rank 0 alone prints and writes."""
 
-    def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out, resume):
+    def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows):
         self.cfg, self.device, self.train_set, self.eval_set = cfg, device, train_set, eval_set
-        self.model, self.replica, self.tok, self.out, self.resume = model, replica, tok, out, resume
+        self.model, self.replica, self.tok, self.out, self.lock = model, replica, tok, out, lock
+        self.state = state  # --resume: the checkpoint's trainer_state.pt (read_trainer_state), else None
         self.main = distributed.is_main()
-        self.rows, self.metrics_file, self.clock = [], None, Clock(cfg, {})
+        self.rows, self.metrics_file, self.clock = rows, None, Clock(cfg, {})  # rows: --resume's, up to its checkpoint
         self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
         self.samples_path, self.report = out / "samples.jsonl", None  # what the model wrote; the dashboards (restore())
 
@@ -265,23 +437,21 @@ class Run:
         its AdamW moments on a new run; else a fresh start (0, 0.5, None)."""
         self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu
         start, keep_est, q_start = 0, 0.5, None
-        if self.resume:
-            # generator states must be CPU tensors; the optimizer and the reference move their own to the device
-            state = torch.load(self.resume / "trainer_state.pt", map_location="cpu", weights_only=True)
+        if self.state:
+            state, self.state = self.state, None  # (its AdamW state is loaded into opt, not kept twice)
             start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
             load_optimizer(self.model, opt, state, self.cfg, f"--resume {self.cfg.resume}")
             rng.setstate(state["rng"])
             gen_cpu.set_state(state["gen_cpu"])
             if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
                 ref_model.load_state_dict(state["ref"])
-            self.rows = read_metrics(self.out, upto=start)  # steps logged after the checkpoint are redone
             self.say(f"resumed {self.out} at step {start}")
         elif self.cfg.init_optimizer:  # a new run (step 0, its own random streams) on the old run's AdamW moments
             init = checkpoint_dir(self.cfg.init_from)
-            if not (init / "trainer_state.pt").is_file():
-                fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
             load_optimizer(self.model, opt, torch.load(init / "trainer_state.pt", map_location="cpu", weights_only=True),
                            self.cfg, f"--init_from {self.cfg.init_from}")
+        if self.main:  # the run directory is written once everything has loaded
+            write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(self.cfg), indent=1))
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
         if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
             samples.rewind(self.samples_path, start if self.resume else -1)
@@ -311,14 +481,16 @@ class Run:
         records = [r for key in ("train_responses", "eval_responses") for r in m.pop(key, [])]
         m.update(self.clock.total)
         self.rows.append(m)
-        self.metrics_file.write(json.dumps(m) + "\n")
-        self.metrics_file.flush()
-        if self.main and records:
-            samples.append(self.samples_path, m["step"], records)
+        with no_space_is_one_line(self.out, f"step {m['step']}'s metrics were not all written; --resume {self.out} "
+                                            f"continues from its last checkpoint"):
+            self.metrics_file.write(json.dumps(m) + "\n")
+            self.metrics_file.flush()
+            if self.main and records:
+                samples.append(self.samples_path, m["step"], records)
+            if "eval_pass@1" in m and m["step"] > 0 and self.main:
+                plot_metrics(self.rows, self.out / "metrics.png")  # refreshed at every eval, not only at the end
         self.report.log(m, records)  # --report_to's dashboards
         if "eval_pass@1" in m and m["step"] > 0:
-            if self.main:
-                plot_metrics(self.rows, self.out / "metrics.png")  # refreshed at every eval, not only at the end
             if self.cfg.save:
                 self.checkpoint(m["step"], keep_est, q_start)
             if self.main:  # after the checkpoint: a resumed run's file is then exactly this one
@@ -337,6 +509,9 @@ class Run:
     def finish(self) -> list:
         self.metrics_file.close()
         self.report.close()
+        if self.lock:
+            self.lock.release()
+        stop_on_ctrl_c("")  # Python's own handling again
         first, last = self.rows[0], self.rows[-1]
         if "eval_pass@1" in last:
             self.say(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
@@ -348,10 +523,17 @@ class Run:
 def start(cfg) -> Run:
     """Set a training run up: seeds, processes, data, the policy (--resume: the checkpoint's; --init_from:
     that run's policy), a LoRA adapter, --grad_ckpt, the memory plan (lowers max_rows and micro_batch to
-    fit), the run directory with config.json, and K > 1: the model sharded with a full replica beside it."""
+    fit), the run directory, locked, and K > 1: the model sharded with a full replica beside it. Every
+    refusal comes before the run directory is touched; config.json is written by Run.restore."""
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
-    ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
+    stop_on_ctrl_c("interrupted before the run began: nothing written")
+    ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None  # ckpt/, or what a crash in its save left
+    state = read_trainer_state(ckpt, cfg) if ckpt else None
+    say = tqdm.write if distributed.is_main() else (lambda line: None)
+    rows = read_metrics(Path(cfg.resume), state["step"], say) if ckpt else []  # rows logged after it are redone
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
+    if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
+        fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
     cfg, device, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
     if init:  # config.json names the weights the run began from
@@ -361,21 +543,51 @@ def start(cfg) -> Run:
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
-    main = distributed.is_main()
-    out = make_run_dir(cfg)
-    if main:
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    out, lock = make_run_dir(cfg, resume_from=ckpt)
+    stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)")
     dtype = compute_dtype(cfg, device)
-    say = tqdm.write if main else (lambda line: None)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
         f"verifier {cfg.verifier}; run dir {out}")
+    if cfg.task == "keys":  # the one task whose held-out set is its training set, by design
+        say("task keys: evaluated on its own 512 training prompts by design (Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
-    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, ckpt)
+    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows)
+
+
+def read_trainer_state(ckpt: Path, cfg) -> dict:
+    """A checkpoint's trainer_state.pt (CPU tensors: generator states must be; the optimizer and the reference
+    move theirs to the device), read before anything else: an unreadable one, or a --steps below its step
+    (nothing to train; the run would only rewrite its config), stops with one line."""
+    path = ckpt / "trainer_state.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        step = state["step"]
+        if missing := {"keep_est", "q_start", "opt", "rng", "gen_cpu"} - set(state):
+            raise ValueError(f"it lacks {sorted(missing)}")
+    except Exception as e:  # a cut-short zip, a pickle error, another file renamed: the message is what matters
+        fail(f"--resume {cfg.resume}: {path} is unreadable ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
+    if cfg.steps < step:
+        fail(f"--steps {cfg.steps} with --resume {cfg.resume}: its checkpoint is at step {step} already "
+             f"(--steps counts from the run's start: give more than {step} to continue it)")
+    return state
+
+
+def stop_on_ctrl_c(note: str):
+    """Ctrl-C ends the run with one line (`note`: what survives) and exit status 130, no traceback; the
+    crash-safe checkpoint and metrics make any moment safe. An empty note restores Python's handling."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        return
+
+    def interrupted(signum, frame):
+        if distributed.is_main():
+            tqdm.write(note, file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, interrupted if note else signal.default_int_handler)
 
 
 def load_optimizer(model, opt, state: dict, cfg, source: str):
@@ -397,7 +609,7 @@ def load_optimizer(model, opt, state: dict, cfg, source: str):
 def plan(cfg) -> list:
     """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
     device, then per rank of 8 (torchrun)."""
-    name = str(Path(cfg.resume) / "ckpt") if cfg.resume else cfg.model
+    name = str(surviving_checkpoint(Path(cfg.resume))) if cfg.resume else cfg.model
     device = distributed.pick_device(cfg.device)
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
     name, revision = split_revision(name)
@@ -417,8 +629,9 @@ def eval_only(cfg, evaluate) -> dict:
     """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly as a
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
+    stop_on_ctrl_c("interrupted: no eval.json written")
     cfg, device, train_set, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=cfg.mass_prompts > 0)
-    out = make_run_dir(cfg)
+    out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
@@ -431,5 +644,7 @@ def eval_only(cfg, evaluate) -> dict:
             print(f"exact correct mass at T = {cfg.temperature} (lib/mass.py), {len(m['mass_exact_log10'])} prompts: mean Q "
                   f"{m['mass_exact_mean']:.4g}, median log10 Q {m['mass_exact_log10_median']:.2f}; Q >= 1/{cfg.gate_small_n}: "
                   f"{m['mass_exact_high']}, gate: {m['mass_exact_gate']}, Q < 1/{cfg.gate_large_n}: {m['mass_exact_low']}")
+        lock.release()
+    stop_on_ctrl_c("")
     distributed.teardown()
     return report

@@ -198,11 +198,11 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     import dataclasses
     plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
     over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
-    gib = lambda x: f"{x / GB:.1f} GB"
+    gib = lambda x: f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 2 ** 20:.1f} MB"  # never "0.0 GB"
     rows = fit_rows(mc, cfg, prompt_tokens, memory_bytes, world_size)
     if rows is None:
         one = peaks(plan_k(dataclasses.replace(cfg, max_rows=1)))["rollout"]
-        return (f"--memory_gb {memory_bytes / GB:.1f}: even one rollout row needs {gib(one)} "
+        return (f"--memory_gb {memory_bytes / GB:g}: even one rollout row needs {gib(one)} "
                 f"(lower --max_new_tokens or --eval_samples, or use a smaller --model)")
     mb = cfg.micro_batch
     while mb > 1 and over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
@@ -210,7 +210,7 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     if over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
         need = peaks(plan_k(dataclasses.replace(cfg, micro_batch=1)))["update"]
         hint = "--grad_ckpt 1, " if not cfg.grad_ckpt else ""
-        return (f"--memory_gb {memory_bytes / GB:.1f}: the update of one row needs {gib(need)} "
+        return (f"--memory_gb {memory_bytes / GB:g}: the update of one row needs {gib(need)} "
                 f"(try {hint}a lower --max_new_tokens, --kl_coef 0, or a smaller --model)")
     return rows, mb
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels import linear_logprobs, token_logprobs
@@ -46,6 +47,9 @@ def load_policy(name: str, device, flag="--model"):
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
                                                      attn_implementation="brorl")
+    except SafetensorError as e:  # a weights file cut short or corrupt
+        files = ", ".join(f.name for f in sorted(Path(name).expanduser().glob("*.safetensors"))) or "its .safetensors"
+        fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     if tok.pad_token_id is None:

@@ -45,8 +45,10 @@ def _text(row, key: str, where: str, numbers_ok: bool = False) -> str:
     """row[key] as a stripped non-empty string (an integer too, if numbers_ok: AIME answers)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    if row.get(key) is None:
+    if key not in row:
         raise ValueError(f"{where}: missing key '{key}' (keys: {sorted(row)})")
+    if row[key] is None:
+        raise ValueError(f"{where}: '{key}' is null")
     v = row[key]
     if numbers_ok and isinstance(v, int) and not isinstance(v, bool):
         return str(v)

@@ -52,21 +52,22 @@ def test_resume_takes_a_changed_lr_and_refuses_what_the_checkpoint_fixes(tmp_pat
 
 def test_init_from_starts_a_new_run_on_the_checkpoints_weights(tmp_path):
     """--init_from: the policy of a run's checkpoint, step 0, a new run directory; AdamW fresh, or the
-    checkpoint's moments with --init_optimizer (at this run's lr). lr 0 leaves the weights as loaded."""
+    checkpoint's moments with --init_optimizer (at this run's lr). lr 1e-12 leaves the weights as loaded,
+    to 1e-9 (AdamW moves each weight by about lr a step; training moved them by ~1e-4)."""
     from safetensors.torch import load_file
     src = tmp_path / "src"
     brorl.train(brorl.parse_config(["--steps", "2", "--eval_every", "2", "--out", str(src), *SMALL]))
     for init_optimizer in (False, True):
         out = tmp_path / f"branch-{init_optimizer}"
         rows = brorl.train(brorl.parse_config(["--init_from", str(src), "--init_optimizer", str(init_optimizer),
-                                               "--lr", "0", "--steps", "1", "--eval_every", "1", "--out", str(out), *SMALL]))
+                                               "--lr", "1e-12", "--steps", "1", "--eval_every", "1", "--out", str(out), *SMALL]))
         assert [r["step"] for r in rows] == [0, 1]
         w_src, w_out = load_file(src / "ckpt" / "model.safetensors"), load_file(out / "ckpt" / "model.safetensors")
-        assert all(torch.equal(w_src[k], w_out[k]) for k in w_src)
+        assert all(torch.allclose(w_src[k], w_out[k], rtol=0, atol=1e-9) for k in w_src)
         opt = torch.load(out / "ckpt" / "trainer_state.pt", weights_only=True)["opt"]
         steps = {float(v["step"]) for v in opt["state"].values()}  # AdamW updates each parameter has had
         assert steps == {2.0 + 4.0 * init_optimizer}  # 2 mini-batches a step; the source made 2 steps
-        assert {g["lr"] for g in opt["param_groups"]} == {0.0}  # this run's lr, not the checkpoint's
+        assert {g["lr"] for g in opt["param_groups"]} == {1e-12}  # this run's lr, not the checkpoint's
         assert json.loads((out / "config.json").read_text())["model"] == str(src / "ckpt")  # the weights it began from
 
 

@@ -159,7 +159,7 @@ def test_load_math_bad_rows_name_file_and_row(tmp_path, lines, match):
 def test_load_math_json_array_and_missing_file(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]))
-    with pytest.raises(ValueError, match=r"rows.json: row 2: missing key 'answer'"):
+    with pytest.raises(ValueError, match=r"rows.json: row 2: 'answer' is null"):
         tasks.load(f"math:{path}")
     with pytest.raises(ValueError, match="no such file"):
         data.load_task(f"math:{tmp_path / 'absent.jsonl'}", "train")

@@ -179,7 +179,7 @@ def test_gsm8k_run_then_eval_only_of_its_checkpoint(tmp_path, gsm8k_file):
 def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
     """One evaluate function, one random-stream recipe: --eval_only of the starting model gives
     exactly the metrics a training run logs at step 0 with the same seed and settings."""
-    common = ["--task", f"gsm8k:{gsm8k_file}", "--eval_task", f"gsm8k:{gsm8k_file}", "--seed", "3", *TINY]
+    common = ["--task", f"gsm8k:{gsm8k_file}", "--eval_task", f"gsm8k:{gsm8k_file}", "--seed", "3", "--eval_overlap", "1", *TINY]
     rows = brorl.train(brorl.parse_config([*common, "--steps", "0", "--out", str(tmp_path / "run"), "--save", "false"]))
     report = harness.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]), brorl.evaluate)
     b = report["benchmarks"][f"gsm8k:{gsm8k_file}"]

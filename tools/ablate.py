@@ -17,7 +17,8 @@ With --report_to wandb (passed through), the sweep's runs share a wandb group, t
 name, and each is named <config>/seed<S>; with tensorboard, TensorBoard on <out> shows them all.
 Rerunning the same command skips every run whose done.json holds the same command and reruns the
 others from scratch (a crashed or killed run); a done.json with another command is an error, not
-silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on.
+silently mixed in. A crashed run is reported (and listed in the summary) and the sweep goes on; its
+exit status is then 1. Values are compared as brorl.py reads them: lr=1e-4,0.0001 is one config twice.
 At the end, over the runs of this grid:
   <out>/summary.md    per config: held-out pass@1 and pass@k at the end (mean, sd and each seed),
                       at the start, samples generated, samples/s, steps, keep rate, rollout
@@ -51,6 +52,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,6 +60,7 @@ import time
 from pathlib import Path
 
 import brorl
+from lib import config as config_lib
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
@@ -98,9 +101,23 @@ def parse_grid(axes: list[list[str]]) -> list[dict]:
         n = next(iter(lengths.values()))
         zipped_axes.append([{name: v[i] for name, v in columns.items()} for i in range(n)])
     configs = [dict(kv for part in combo for kv in part.items()) for combo in itertools.product(*zipped_axes)]
-    if len({tuple(sorted(c.items())) for c in configs}) < len(configs):
-        raise ValueError(f"--grid {axes}: the same config twice")
+    if len({tuple(sorted(normalised(c).items())) for c in configs}) < len(configs):
+        raise ValueError(f"--grid {axes}: the same config twice (values compared as brorl.py reads them: 1e-4 == 0.0001)")
     return configs
+
+
+def normalised(config: dict) -> dict:
+    """A config's values as brorl.py reads them (1e-4 and 0.0001 are one lr, true and 1 one bool), so that a
+    config spelled two ways is seen as one; a value brorl.py cannot read is left as written (it refuses it)."""
+    kinds = {f.name: f.type for f in dataclasses.fields(brorl.Config)}
+    read = lambda k, v: {bool: config_lib.parse_bool, int: int, float: float}.get(kinds[k], str)(v)
+    out = {}
+    for k, v in config.items():
+        try:
+            out[k] = read(k, v)
+        except (ValueError, argparse.ArgumentTypeError):
+            out[k] = v
+    return out
 
 
 def config_label(config: dict) -> str:
@@ -141,8 +158,10 @@ def thread_env(threads: int) -> dict:
 
 def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
     """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0."""
-    for stale in ("metrics.jsonl", "done.json"):  # an unfinished earlier attempt starts over
+    for stale in ("metrics.jsonl", "done.json", "config.json"):  # an unfinished earlier attempt starts over
         (run_dir / stale).unlink(missing_ok=True)
+    for stale in ("ckpt", "ckpt.old", "ckpt.tmp"):  # (brorl.py refuses a directory that holds a run)
+        shutil.rmtree(run_dir / stale, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     env = thread_env(threads)
     # with --report_to wandb: the sweep's runs in one group (the sweep directory's name), each named <config>/seed<S>
@@ -484,7 +503,7 @@ def plot_summary(result: dict, path: Path):
 
 def parse_args(argv=None):
     # the docstring is the help, as written (the grid, the layout, equal compute, a new axis)
-    ap = argparse.ArgumentParser(prog="python -m tools.ablate", description=__doc__.strip().replace("%", "%%"),
+    ap = config_lib.OneLineParser(prog="python -m tools.ablate", description=__doc__.strip().replace("%", "%%"),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)  # so that no brorl flag is taken for an abbreviation of ours
     ap.add_argument("--grid", nargs="+", action="append", default=[], metavar="FLAG=V1,V2",
@@ -522,8 +541,8 @@ def main(argv=None) -> dict:
     runs = [dict(config=c, label=label, seed=s, dir=out / label / f"seed{s}",
                  argv=run_argv(c, s, out / label / f"seed{s}", passthrough))
             for c, label in zip(configs, labels) for s in args.seeds]
-    for r in runs:  # every run's flags checked before any starts (exits with brorl's one-line error)
-        brorl.parse_config(r["argv"])
+    for r in runs:  # every run's flags checked before any starts (exits with brorl's one-line error); as --plan,
+        brorl.parse_config([*r["argv"], "--plan"])  # which lets --out hold a run: the sweep's own, finished or retried
     for pair in args.compare:
         if unknown := [x for x in pair if x not in labels]:
             sys.exit(f"error: --compare {' '.join(pair)}: no config {unknown[0]!r} in this grid (configs: {labels})")
@@ -543,5 +562,13 @@ def main(argv=None) -> dict:
     return result
 
 
+def exit_status(result: dict) -> int:
+    """1 if a run of the sweep crashed (its summary is still written, the crash listed in it), else 0."""
+    crashed = sum(len(c["crashed"]) for c in result.get("configs", {}).values())
+    if crashed:
+        print(f"error: {crashed} run(s) crashed (listed in the summary; rerun the command to retry them)", file=sys.stderr)
+    return 1 if crashed else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

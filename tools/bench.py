@@ -58,6 +58,7 @@ from transformers.utils import logging as hf_logging
 
 import brorl
 import data
+from lib.config import OneLineParser
 import sampler
 from lib import harness
 
@@ -329,7 +330,7 @@ def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m tools.bench", description="brorl speed benchmark")
+    ap = OneLineParser(prog="python -m tools.bench", description="brorl speed benchmark")
     ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu", "lora"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
@@ -343,6 +344,9 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--new", type=int, default=32, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for name in ("repeats", "steps", "micro_batch", "threads", "n", "new"):  # before any work: each must be >= 1
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} {getattr(args, name)}: need >= 1")
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

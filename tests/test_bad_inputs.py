@@ -1,0 +1,322 @@
+"""Bad input ends in one line on stderr and exit status 2, before any work, and leaves an existing run
+directory byte-identical. The run directory protects itself: a run there is never started over, one
+process holds it at a time, a stale lock is reclaimed. --resume finds what a crash left (the whole
+ckpt.tmp of a save cut between its renames, a metrics line cut short) and continues exactly. A full
+disk and Ctrl-C end in one line. The tools check their numbers the same way."""
+
+import errno
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import brorl
+import data
+from lib import harness
+from test_brorl import run_in_process
+
+HERE = Path(__file__).resolve().parent.parent
+TINY = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
+        "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256"]
+strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"} for r in rows]
+
+
+def snapshot(run: Path) -> dict:
+    """Every file under run, by relative path: its bytes."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def one_line(code, err: str, status: int = 2) -> str:
+    """The refusal: exit status `status`, exactly one line on stderr, no traceback; that line."""
+    lines = err.strip().splitlines()
+    assert code == status and len(lines) == 1 and "Traceback" not in err, (code, err[-2000:])
+    return lines[0]
+
+
+def last_line(err: str) -> str:
+    """stderr's last line, the progress bar's redraws (carriage returns) apart."""
+    return [x for x in err.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("brorl:")][-1]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    wa, wb = load_file(a / "ckpt" / "model.safetensors"), load_file(b / "ckpt" / "model.safetensors")
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(autouse=True)
+def python_handles_ctrl_c():
+    """A run that ends by an exception (as some here do) leaves its Ctrl-C handler set: Python's again after."""
+    yield
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 2-step run, its checkpoint at step 2."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    brorl.train(brorl.parse_config(["--steps", "2", "--eval_every", "2", "--out", str(run), *TINY]))
+    return run
+
+
+@pytest.fixture
+def run(finished, tmp_path) -> Path:
+    """A copy of the finished run, to break."""
+    shutil.copytree(finished, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def cut(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def nan_model(tmp: Path) -> Path:
+    """The embedded model with one NaN weight."""
+    shutil.copytree(data.EMBEDDED_MODEL, tmp / "nan-model")
+    w = load_file(tmp / "nan-model" / "model.safetensors")
+    name = sorted(w)[0]
+    w[name].view(-1)[0] = float("nan")
+    save_file(w, tmp / "nan-model" / "model.safetensors", metadata={"format": "pt"})
+    return tmp / "nan-model"
+
+
+# (flags, what the one line says): a new run's flags, on a fresh --out that must stay unmade
+NEW_RUN = [
+    (["--lr", "0"], "--lr 0.0: need lr > 0"),
+    (["--lr", "-1e-3"], "--lr -0.001: need lr > 0"),  # a value, not a missing one
+    (["--lr", "nan"], "must be finite numbers: --lr nan"),
+    (["--lr", "-inf"], "must be finite numbers: --lr -inf"),
+    (["--weight_decay", "-0.1"], "--weight_decay -0.1: need >= 0"),
+    (["--grad_clip", "-1"], "--grad_clip -1.0: need a max gradient norm > 0"),
+    (["--grad_clip", "0"], "--grad_clip 0.0: need a max gradient norm > 0"),
+    (["--kl_coef", "-1e-3"], "--kl_coef -0.001: need >= 0"),
+    (["--kl_coef", "1e-3", "--ref_reset_every", "0"], "--ref_reset_every 0: need >= 1"),
+    (["--clip_low", "1"], "--clip_low 1.0: need 0 <= eps_low < 1"),
+    (["--clip_low", "-0.1"], "--clip_low -0.1"),
+    (["--clip_high", "-0.1"], "--clip_high -0.1: need >= 0"),
+    (["--probe_prompts", "0"], "--probe_prompts 0: need >= 1"),
+    (["--probe_prompts", "-1"], "--probe_prompts -1: need >= 1"),
+    (["--temperature", "inf"], "must be finite numbers: --temperature inf"),
+    (["--device", "foo"], "--device 'foo': not a device"),
+    (["--device", "cuda:99"], "--device cuda:99"),
+    (["--device", "meta"], "--device meta: brorl runs on cpu or cuda"),
+    (["--save", "maybe"], "'maybe' is not a boolean"),
+    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--task", "math:{tmp}/dup.jsonl", "--eval_task", "math:{tmp}/dup.jsonl"], "37 of its 40 prompts are in --task's training set"),
+    (["--model", "{nan_model}"], "holds NaN or inf"),
+    (["--memory_gb", "0.00001"], "even one rollout row needs 7.3 MB"),  # not "0.0 GB"
+    (["--init_from", "{run}", "--resume", "{run}"], "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+]
+if not torch.cuda.is_available():
+    NEW_RUN.append((["--device", "cuda"], "--device cuda: no CUDA device is available here"))
+
+
+@pytest.mark.parametrize("flags, needle", NEW_RUN, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_a_bad_flag_is_one_line_and_writes_nothing(tmp_path, capsys, finished, flags, needle):
+    if any("{nan_model}" in f for f in flags):
+        nan_model(tmp_path)
+    (tmp_path / "dup.jsonl").write_text("".join(json.dumps(dict(problem=f"{i}+{i}?", answer=str(2 * i))) + "\n"
+                                                for i in range(40)))  # 3 of them in the test split, by hash
+    flags = [f.format(tmp=tmp_path, nan_model=tmp_path / "nan-model", run=finished) for f in flags]
+    before = snapshot(finished)
+    out = tmp_path / "new"
+    line = one_line(*run_in_process(capsys, *TINY, *flags, "--out", str(out), "--steps", "1"))
+    assert needle in line and line.startswith("error: "), line
+    assert not out.exists() and snapshot(finished) == before
+
+
+def break_config(run: Path):
+    (run / "config.json").write_text('{"lr": 2e-4, "steps"')
+
+
+# (how the run is broken, flags after --resume <run> or --out <run>, what the one line says)
+ON_A_RUN = [
+    (None, ["--out", "{run}", "--steps", "4"], "holds a run (config.json, metrics.jsonl, ckpt): continue it with --resume"),
+    (None, ["--resume", "{run}", "--steps", "1"], "its checkpoint is at step 2 already"),
+    (None, ["--resume", "{run}", "--out", "{run}/elsewhere"], "name different runs"),
+    (break_config, ["--resume", "{run}"], "config.json is unreadable"),
+    (lambda run: (run / "config.json").write_text('{"lr": "fast"}'), ["--resume", "{run}"], "holds lr = 'fast', not a number"),
+    (lambda run: cut(run / "ckpt" / "trainer_state.pt"), ["--resume", "{run}", "--steps", "3"], "ckpt/trainer_state.pt is unreadable"),
+    (lambda run: cut(run / "ckpt" / "model.safetensors"), ["--resume", "{run}", "--steps", "3"], "model.safetensors unreadable"),
+    (lambda run: shutil.rmtree(run / "ckpt"), ["--resume", "{run}", "--steps", "3"], "no checkpoint to resume"),
+    (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n{"ste\n{"step": 1}\n'), ["--resume", "{run}", "--steps", "3"],
+     "metrics.jsonl line 2 is not a metrics row"),
+    (lambda run: shutil.rmtree(run / "ckpt"), ["--init_from", "{run}", "--out", "{run}-branch"], "the run holds no checkpoint"),
+]
+
+
+@pytest.mark.parametrize("breaking, flags, needle", ON_A_RUN, ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_a_bad_resume_is_one_line_and_leaves_the_run_as_it_was(run, capsys, breaking, flags, needle):
+    if breaking:
+        breaking(run)
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, *[f.format(run=run) for f in flags], *TINY[:2]))
+    assert needle in line, line
+    assert snapshot(run) == before and not Path(f"{run}-branch").exists()
+
+
+def test_a_second_run_on_a_finished_run_changes_no_byte(run):
+    """The command line itself (a real process): one line, exit 2, the finished run byte-identical."""
+    before = snapshot(run)
+    p = subprocess.run([sys.executable, str(HERE / "brorl.py"), "--out", str(run), "--lr", "-1e-3"],
+                       capture_output=True, text=True, cwd=HERE)
+    assert "holds a run" in one_line(p.returncode, p.stderr) and snapshot(run) == before
+
+
+def test_one_process_holds_a_run_directory_and_a_stale_lock_is_reclaimed(tmp_path, capsys):
+    """Another process holding --out's lock (as a run in progress does): this run is refused before it
+    writes anything. Once that process is killed its lock is stale: the next run reclaims it, with a line."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from lib.harness import RunLock; "
+         "out = Path(sys.argv[1]); out.mkdir(); RunLock(out, print).take(); print('held', flush=True); sys.stdin.read()",
+         str(out)], cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        args = ["--out", str(out), "--steps", "1", "--eval_every", "1", *TINY]
+        line = one_line(*run_in_process(capsys, *args))
+        assert f"--out {out}: another run (pid {holder.pid}) is using it" in line, line
+        assert snapshot(out) == {".lock": f"{holder.pid}\n".encode()}
+    finally:
+        holder.kill()
+        holder.wait()
+    rows = brorl.train(brorl.parse_config(args))
+    assert f"reclaimed the lock of pid {holder.pid}, which is gone" in capsys.readouterr().out
+    assert [r["step"] for r in rows] == [0, 1] and not (out / ".lock").exists()  # a finished run leaves no lock
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_crash_between_the_checkpoints_two_renames_then_resume_is_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
+    """Killed after ckpt -> ckpt.old and before ckpt.tmp -> ckpt (the save's swap): no ckpt/, both others
+    whole. --resume takes ckpt.tmp, says so, and ends where the uninterrupted run ends, to the bit."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "1", "--kl_coef", "1e-3", "--ref_reset_every", "2", "--device", "cpu", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    replace = harness.os.replace
+
+    def crash_in_the_swap(src, dst):
+        if Path(src).name == "ckpt.tmp" and (Path(dst).parent / "ckpt.old").exists():
+            raise Crash
+        replace(src, dst)
+    monkeypatch.setattr(harness.os, "replace", crash_in_the_swap)
+    with pytest.raises(Crash):  # the second checkpoint (step 2) is the first with a previous one to swap out
+        brorl.train(brorl.parse_config([*common, "--out", str(b)]))
+    monkeypatch.setattr(harness.os, "replace", replace)
+    assert not (b / "ckpt").exists() and {"ckpt.old", "ckpt.tmp"} <= set(p.name for p in b.iterdir())
+    capsys.readouterr()
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "3"]))
+    assert "no ckpt/ (a crash inside its save); took the whole ckpt.tmp/ as ckpt/" in capsys.readouterr().out
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
+    assert sorted(p.name for p in b.iterdir()) == ["ckpt", "config.json", "metrics.jsonl", "metrics.png"]
+
+
+def test_resume_after_a_cut_short_metrics_line_is_the_uninterrupted_run(run, tmp_path, capsys):
+    """A last line of metrics.jsonl cut short (the disk filled as it was written) is dropped with a line,
+    and the run continues exactly as if it had never been cut."""
+    a = tmp_path / "a"
+    rows_a = brorl.train(brorl.parse_config(["--steps", "3", "--eval_every", "2", "--out", str(a), *TINY]))
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "reward_mean": 0.4')
+    capsys.readouterr()
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3"]))
+    assert f"dropped the last line of {run / 'metrics.jsonl'}, cut short" in capsys.readouterr().out
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, run)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monkeypatch):
+    """ENOSPC while the checkpoint of step 4 is written: one line naming the directory, ckpt/ still the
+    step-2 checkpoint byte for byte, no ckpt.tmp left."""
+    before = snapshot(run / "ckpt")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch, "save", full)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "4")
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {run}: the checkpoint of step 4 was not written; "
+                                           "ckpt/ keeps the last one (--resume continues from it)")
+    assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
+
+
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of step 2: exit status 130 and one line saying what is kept; the step-1
+    checkpoint is whole and --resume continues from it."""
+    out = tmp_path / "run"
+    rl_step = brorl.rl_step
+
+    def interrupted_at_step_2(*args):
+        if args[8] == 2:  # the step
+            signal.raise_signal(signal.SIGINT)
+        return rl_step(*args)
+    monkeypatch.setattr(brorl, "rl_step", interrupted_at_step_2)
+    code, err = run_in_process(capsys, "--out", str(out), "--steps", "3", "--eval_every", "1", *TINY)
+    assert code == 130 and "Traceback" not in err
+    assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)"
+    monkeypatch.setattr(brorl, "rl_step", rl_step)
+    assert [r["step"] for r in brorl.train(brorl.parse_config(["--resume", str(out)]))] == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------
+# Data and the tools
+
+
+def test_repeated_rows_are_dropped_with_a_count(tmp_path, capsys):
+    path = tmp_path / "rows.jsonl"
+    rows = [dict(problem=f"{i}?", answer=str(i)) for i in (1, 2, 2, 3, 1, 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = harness.load_data(brorl.Config(), "--task", f"math:{path}", "all", 0)
+    assert [r["answer"] for r in got] == ["1", "2", "3"]
+    assert f"--task math:{path}: dropped 3 duplicated rows of 6 (all split)" in capsys.readouterr().out
+
+
+def test_an_overlapping_eval_task_is_said_when_allowed(capsys):
+    train = [dict(prompt=p, answer="1") for p in "abc"]
+    held = [dict(prompt=p, answer="1") for p in "bcd"]
+    harness.check_overlap(brorl.Config(eval_task="math:x", eval_overlap=True), train, held)
+    assert "--eval_task math:x: 2 of its 3 prompts are in --task's training set (allowed by --eval_overlap)" in capsys.readouterr().out
+    harness.check_overlap(brorl.Config(eval_task="math:x"), train, held[2:])  # none shared: nothing to say
+    assert capsys.readouterr().out == ""
+
+
+def test_resume_takes_one_directory_spelled_two_ways(finished):
+    cfg = brorl.parse_config(["--resume", str(finished), "--out", f"{finished}/./", "--steps", "2"])
+    assert cfg.out == str(finished)
+
+
+def test_ablate_reads_values_before_comparing_and_fails_when_a_run_crashed(capsys):
+    from tools import ablate
+    with pytest.raises(ValueError, match="the same config twice"):
+        ablate.parse_grid([["lr=1e-4,0.0001"]])
+    with pytest.raises(ValueError, match="the same config twice"):
+        ablate.parse_grid([["save=true,1"]])
+    assert len(ablate.parse_grid([["lr=1e-4,2e-4"]])) == 2
+    assert ablate.exit_status({"configs": {"a": {"crashed": {}}, "b": {"crashed": {0: "exit 2: ..."}}}}) == 1
+    assert capsys.readouterr().err.strip() == "error: 1 run(s) crashed (listed in the summary; rerun the command to retry them)"
+    assert ablate.exit_status({"configs": {"a": {"crashed": {}}}}) == 0
+
+
+@pytest.mark.parametrize("main, argv, needle", [
+    ("bench", ["--repeats", "0"], "--repeats 0: need >= 1"),
+    ("bench", ["--threads", "-2"], "--threads -2: need >= 1"),
+    ("bench", ["--micro_batch", "x"], "invalid int value: 'x'"),
+    ("data", ["build", "--p_correct", "1.5"], "--p_correct: need a probability in [0, 1]"),
+    ("data", ["build", "--lr=-1e-3"], "--lr: need a finite lr > 0"),
+    ("data", ["build", "--digits", "0"], "--digits: need 1..20"),
+    ("data", ["build", "--slips", "nope"], "--slips: unknown ['nope']"),
+    ("data", ["rehearsal", "--layers", "0", "--out", "x"], "--layers 0: need >= 1"),
+    ("ablate", ["--jobs", "0"], "--jobs 0: need >= 1"),
+])
+def test_the_tools_check_their_numbers(capsys, main, argv, needle):
+    from tools import ablate, bench
+    with pytest.raises(SystemExit) as exit_info:
+        {"bench": bench.main, "data": data.main, "ablate": ablate.main}[main](argv)
+    assert needle in one_line(exit_info.value.code, capsys.readouterr().err)

@@ -454,7 +454,7 @@ class Run:
             write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(self.cfg), indent=1))
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
         if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
-            samples.rewind(self.samples_path, start if self.resume else -1)
+            samples.rewind(self.samples_path, start if self.cfg.resume else -1)
             samples.thin(self.samples_path)  # in case the run stopped between its checkpoint and the thinning
         self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})

@@ -20,6 +20,9 @@ which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips
 and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
 where breadth (many rollouts per prompt, large N) should matter. The harder variant (p_correct
 0.003, the only slip copying an operand) makes it rarer still: ~0.1% of samples at T = 1.
+The keys task ("keys", tools/breadth_study.py): 512 prompts "k<two letters>=", each with its own 3-digit
+value and four decoys; train = eval. Its warm start (assets/tiny-keys) sets each prompt's right mass
+apart, log-uniformly: where Theorem 1's per-prompt reading applies and breadth can act (see below).
 Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
 the problem text, unless a separate held-out source is named (split "all").
 
@@ -30,7 +33,8 @@ value (V = 256 bytes + pad + eos). Qwen2's own tokenizer pipeline is byte-level 
 tokenizer_config.json says) rebuilds exactly this tokenizer.
 
 Commands:
-  python data.py build                  # assets/tiny-arith, tiny-arith-hard and tiny-arith-harder
+  python data.py build                  # assets/tiny-arith, tiny-arith-hard, tiny-arith-harder and tiny-keys
+  python data.py build --variant keys   # assets/tiny-keys alone: 1,600 steps, ~130 CPU s on one thread
   python data.py rehearsal --out /tmp/rehearsal   # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
   python data.py build --variant hard --seed 1 --out /tmp/m   # one variant, elsewhere
 """
@@ -323,7 +327,7 @@ class WarmStart:
             raise ValueError(problem)
 
 
-VARIANTS = {  # `python data.py build` builds both
+VARIANTS = {  # `python data.py build` builds them all
     "default": dict(out=str(EMBEDDED_MODEL), p_correct=0.25),
     "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.02, slips=HARD_SLIPS, eval_samples=512),
     # Copying an operand is the only slip, so the mixture never practises the sum's digits; p_correct

@@ -274,3 +274,15 @@ def test_sign_test_exact_values():
     assert math.isnan(ablate.sign_test([0.0, 0.0]))
     n, k = 12, 2  # against the binomial sum written out
     assert ablate.sign_test([1.0] * (n - k) + [-1.0] * k) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+
+
+def test_breadth_study_gate_and_plot(tmp_path):
+    """tools/breadth_study.py's gate count (the branch point needs >= 30 prompts in it) and its figure from a
+    summary's per-prompt log10 Q (a synthetic one: two arms, two seeds)."""
+    from tools import breadth_study
+    assert breadth_study.gate_count([-1.0, -1.3, -2.0, -2.7, -2.8, -5.0]) == 3  # -1.3, -2.0, -2.7 in [-2.709, -1.204)
+    run = dict(log10_q_start=[-1.0, -2.0, -4.0], log10_q_end=[-0.5, -1.0, -5.0])
+    result = dict(configs={"n_rollouts=16,prompts_per_step=16,lr=2e-4": dict(runs={0: run, 1: run}),
+                           "n_rollouts=512,prompts_per_step=4,lr=2e-4": dict(runs={0: run})})
+    breadth_study.plot_study({"warm": result, "mid": result}, tmp_path / "study.png")
+    assert (tmp_path / "study.png").stat().st_size > 1000

@@ -13,7 +13,7 @@ budgets of process CPU seconds. Three sweeps of three arms, each arm --seeds tim
 
 The base run is ProRL's shape, seed 0, from the warm start, --base_steps steps, its checkpoint copied
 every --base_every steps (resumed bit-exactly between them). Every run logs the exact correct mass of
-all 512 prompts at its first and last evaluation (lib/mass.py); each sweep's summary.md / .json
+all 512 prompts at its first and last evaluation (lib/mass.py); each sweep's <out>/<sweep>/summary.md and .json
 (tools/ablate.py) holds the per-arm measures (mean exact Q; gate prompts lifted above 1/16; prompts
 >= 1/16 lost; the median change of log10 Q of the prompts below the gate; keep rate, sampling rounds,
 rollouts per step), the per-seed paired t and sign tests, the per-prompt test (secondary), and every
@@ -83,8 +83,8 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/breadth", help="study directory (default: runs/breadth)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds per arm (default 0..4)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each (default 1)")
-    ap.add_argument("--budget_warm", type=float, default=120.0, help="CPU s a run from the warm start (default 120)")
-    ap.add_argument("--budget_branch", type=float, default=40.0, help="CPU s a branch (default 40)")
+    ap.add_argument("--budget_warm", type=float, default=150.0, help="CPU s a run from the warm start (default 150)")
+    ap.add_argument("--budget_branch", type=float, default=60.0, help="CPU s a branch (default 60)")
     ap.add_argument("--base_steps", type=int, default=300, help="the base run's steps (default 300)")
     ap.add_argument("--base_every", type=int, default=50, help="its checkpoint copied every this many steps (default 50)")
     ap.add_argument("--only", choices=["warm", "base", "mid", "late"], nargs="+", default=["warm", "mid", "late"],

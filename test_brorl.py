@@ -238,7 +238,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     assert stats["groups_generated"] == 9 and stats["rounds"] == 2
     assert stats["groups_survived"] == 4  # keep_rate counts survivors before truncation: 4 / 9
     assert stats["groups_kept"] == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
-    assert all(r.min() != r.max() for _, _, r, _ in kept)
+    assert all(g.rewards.min() != g.rewards.max() and g.rollouts is not None for g in kept)
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):

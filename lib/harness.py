@@ -346,6 +346,9 @@ def start(cfg) -> Run:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     dtype = compute_dtype(cfg, device)
     say = tqdm.write if main else (lambda line: None)
+    if cfg.loss == "gspo" and cfg.loss_agg != "sequence":  # allowed, but first said: not GSPO's objective
+        say(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean (--loss_agg sequence, "
+            "gspo's default)")
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "

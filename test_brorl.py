@@ -274,6 +274,9 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
 FP32_TOL = 1e-5  # fp32 accumulation over <= 50k columns: observed errors are ~2e-6
 # where the kernel tests run: on a GPU the compiled kernel, on a CPU the interpreter
 KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+# where the interpreter cannot run (triton 3.6 with numpy >= 2.4) the kernel tests skip with its one-line reason
+NO_KERNEL = "" if KDEV == "cuda" else kernels.interpreter_problem()
+needs_kernel = pytest.mark.skipif(bool(NO_KERNEL), reason=NO_KERNEL)
 
 
 def _inputs(lead, V, dtype, seed, n_ignored=1, device=KDEV):
@@ -343,6 +346,7 @@ def test_reference_matches_float64(monkeypatch):
     ((1,), 50257, 1.3),      # a single row, 50 vocabulary blocks, last one partial
     ((2, 2), 50257, 0.7),
 ])
+@needs_kernel
 def test_kernel_fp32_matches_float64(lead, V, temperature):
     x, t, g = _inputs(lead, V, torch.float32, seed=V + len(lead))
     if lead == (1,):

@@ -329,6 +329,9 @@ def start(cfg) -> Run:
     """Set a training run up: seeds, processes, data, the policy (--resume: the checkpoint's; --init_from:
     that run's policy), a LoRA adapter, --grad_ckpt, the memory plan (lowers max_rows and micro_batch to
     fit), the run directory with config.json, and K > 1: the model sharded with a full replica beside it."""
+    if cfg.loss == "gspo" and cfg.loss_agg != "sequence" and distributed.is_main():  # allowed, but said first
+        print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean (--loss_agg sequence, "
+              "gspo's default)")
     ckpt = Path(cfg.resume) / "ckpt" if cfg.resume else None
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None  # weights (and AdamW's moments) from there
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
@@ -346,9 +349,6 @@ def start(cfg) -> Run:
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     dtype = compute_dtype(cfg, device)
     say = tqdm.write if main else (lambda line: None)
-    if cfg.loss == "gspo" and cfg.loss_agg != "sequence":  # allowed, but first said: not GSPO's objective
-        say(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean (--loss_agg sequence, "
-            "gspo's default)")
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "

@@ -182,7 +182,8 @@ def name_problems(root: Path) -> list:
 
 # Flags of programs that are not ours, as the docs use them: PyTorch's launcher, pip, argparse's help
 EXTERNAL_FLAGS = {"standalone", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "index-url", "help",
-                  "target", "no-index", "no-deps", "timeout"}  # pip install --no-index --no-deps --target; pytest-timeout
+                  "target", "no-index", "no-deps", "timeout",  # pip install --no-index --no-deps --target; pytest-timeout
+                  "python-version", "only-binary"}  # pip download for another Python
 FLAG = re.compile(r"(?<![\w-])--([a-zA-Z][\w-]*)")
 
 

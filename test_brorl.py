@@ -210,6 +210,8 @@ def test_loss_weights_sum_to_one_and_ignore_padding(agg):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
     w = brorl.loss_weights(mask, agg)
     assert w.sum().item() == pytest.approx(1.0) and (w[~mask] == 0).all()
+    w64 = brorl.loss_weights(mask, agg, dtype=torch.float64)  # in the loss's dtype: float64 checks stay float64's
+    assert w64.dtype == torch.float64 and abs(w64.sum().item() - 1) < 1e-15 and torch.equal(w64.float(), w)
     if agg == "token":
         assert torch.allclose(w[mask], torch.full_like(w[mask], 1 / 6))
     else:

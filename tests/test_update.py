@@ -90,7 +90,7 @@ class RecordingSGD(torch.optim.SGD):
         super().step()
 
 
-def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(random_lm):
+def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(random_lm, monkeypatch):
     """Each mini-batch's gradient in update_policy is the gradient of the README's loss written out here,
     with the old, sampler and current log-probs all different (the sampler's shifted, the current moved by
     the first mini-batch's step) and a reference apart from all three: ratio, clip, dual clip, TIS as a
@@ -110,7 +110,10 @@ def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(
     cfg = brorl.Config(micro_batch=5, n_minibatches=2, grad_clip=1e9, old_logp="recompute", kl_coef=0.1, tis_cap=1.2,
                        clip_ratio_c=1.05, loss_agg="token")  # c near 1: the dual clip binds after one step
     opt = RecordingSGD(m.parameters(), lr=3.0)
+    weights, dtypes = brorl.loss_weights, set()
+    monkeypatch.setattr(brorl, "loss_weights", lambda *a, **k: (lambda w: dtypes.add(w.dtype) or w)(weights(*a, **k)))
     brorl.update_policy(m, ref, opt, batch, adv, cfg, torch.Generator().manual_seed(0))
+    assert dtypes == {torch.float64}  # the weights in the loss's dtype
     minibatches = torch.randperm(18, generator=torch.Generator().manual_seed(0)).tensor_split(2)  # update_policy's
     C, c, lo, hi = cfg.tis_cap, cfg.clip_ratio_c, cfg.clip_low, cfg.clip_high
     moved, binds = [], []

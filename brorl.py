@@ -322,9 +322,9 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows, each on token_loss summed over a mini-batch;
-    the metrics. batch: this rank's rows (K = 1: all), batch["lengths"] (G, m) every row's valid tokens; adv (r,):
-    its rows'. Mini-batches, normalisers and metrics are all rows'; each rank computes its own rows' loss."""
+    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's token_loss summed;
+    returns the metrics. batch: this rank's rows (K = 1: all), batch["lengths"] (G, m) every row's valid tokens;
+    adv (r,): its rows'. Mini-batches, normalisers, metrics: all rows'; each rank computes its own rows' loss."""
     G, m = batch["lengths"].shape
     R, dev, tokens = G * m, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
     my_micro_batches = lambda rows: [r.to(dev) for r in distributed.micro_batches(rows, G, m, cfg.micro_batch)]

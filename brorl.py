@@ -52,9 +52,8 @@ import data
 import verify
 from lib import config, distributed, harness, mass, samples
 from lib.config import fail
-from lib.objectives import cispo_token_loss, gspo_token_loss, max_variance_subset
-from lib.policy import (as_reference, autocast, clip_gradients, make_reference, pack_groups, response_logprobs,
-                        trainable, uses_sampler_logp)
+from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
+from lib.policy import autocast, clip_gradients, make_reference, old_logprobs, pack_groups, response_logprobs, trainable
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
@@ -65,10 +64,10 @@ from sampler import Rollouts, draw_seeds, generate, round_seeds
 class Config:
     # model and task
     model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or local dir (default: the embedded tiny model)
-    task: str = "arith"  # arith (embedded), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
-    eval_task: str = ""  # a separate held-out source, same syntax (all its rows); default: --task's held-out split
+    task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
+    eval_task: str = ""  # a separate held-out source, same syntax, all its rows (default: --task's held-out split)
     eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set (else refused: not held out)
-    system_prompt: str = ""  # system message before each prompt (needs a chat template; default: none)
+    system_prompt: str = ""  # system message before each prompt, which needs a chat template (default: none)
     digits: int = 3  # arith: digits per operand (the difficulty knob)
     dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU, bf16 CUDA
     device: str = "auto"  # auto = cuda if available else cpu
@@ -100,7 +99,7 @@ class Config:
     grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one layer, not all (~1/3 more compute)
     # the old policy's log-probs: the sampler's (in fp32 a trainer forward's up to rounding) or a trainer forward
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
-    # the objective (policy_token_loss); Dr. GRPO is ppo with --adv_norm none --loss_agg constant
+    # the objective (policy_token_loss); Dr. GRPO is ppo with --adv_norm none --loss_agg constant (README: each one's command)
     loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
@@ -111,7 +110,7 @@ class Config:
     tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
     # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows (GSPO's);
     # constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no response changes (Dr. GRPO)
-    loss_agg: str = "token"  # token, sequence or constant
+    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo (its paper's), else token
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
@@ -188,11 +187,20 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=N
     return r.view(-1, rollouts.n)
 
 
+@dataclass
+class Group:
+    """A group kept by dynamic sampling. Every rank has its rewards and lengths; only the rank that sampled
+    it holds its rollouts, at `index` in them (the others: None, None)."""
+    rewards: torch.Tensor  # (N,) one per rollout
+    lengths: torch.Tensor  # (N,) valid tokens per response
+    rollouts: Rollouts = None
+    index: int = None
+
+
 def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
-    """Sample groups until B survive dynamic sampling (or max_rounds hits). Returns at most B kept groups as
-    (Rollouts, index in it, rewards (N,), lengths (N,)) and the sampling statistics. Every rank draws the same
-    prompts and sees every group's rewards, so all keep the same groups; only the rank that sampled a group
-    holds its rollouts (the others: None, None)."""
+    """Sample groups until B survive dynamic sampling (or max_rounds hits). Returns at most B kept Groups and
+    the sampling statistics. Every rank draws the same prompts and sees every group's rewards, so all keep the
+    same groups."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
@@ -209,7 +217,7 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
         stats["rewards"].append(r)
         for g in range(want):
             if not cfg.dynamic_sampling or r[g].min() != r[g].max():
-                kept.append((ro, g - mine.start, r[g], lengths[g]) if g in mine else (None, None, r[g], lengths[g]))
+                kept.append(Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ())))
         stats["groups_survived"] = len(kept)
     kept = kept[:B]  # DAPO keeps exactly B; extra survivors of the last round are dropped
     stats["groups_kept"] = len(kept)
@@ -248,17 +256,17 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
 
 
 # ----------------------------------------------------------------------------
-# The loss, per token (r, T) of r response rows, and its normaliser
+# Policy update: the loss per token (r, T) of r response rows, its normaliser, the mini-batches' loop
 
 
-def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None) -> torch.Tensor:
-    """Per-token weights (r, T) of a mini-batch, fixed BEFORE micro-batching so that any micro-batch
-    size gives the same gradient. token: 1 / (valid tokens in the mini-batch) (DAPO, ProRL v2);
-    sequence: 1 / (row length * rows) (GSPO's); constant: 1 / (max_len * rows), Dr. GRPO's, so that no
-    response's length scales its own tokens' gradient. With K processes `mask` is this rank's rows of
-    the mini-batch, n_tokens and n_rows the mini-batch's counts over all ranks."""
-    m = mask.float()
-    n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=m.dtype, device=m.device)
+def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None, dtype=torch.float32):
+    """Per-token weights (r, T) in the loss's dtype, from the mini-batch's counts (n_tokens valid tokens,
+    n_rows rows): each row's weights are its own, so any micro-batching gives the same gradient. token:
+    1 / n_tokens (DAPO, ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's); constant: 1 / (max_len *
+    n_rows), Dr. GRPO's, so that no response's length scales its own tokens' gradient. Counts default to
+    the rows given (with K processes: the mini-batch's over all ranks)."""
+    m = mask.to(dtype)  # (r, T)
+    n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=dtype, device=m.device)
     n_rows = m.shape[0] if n_rows is None else n_rows
     if agg == "token":
         return m / n_tokens.clamp(min=1)
@@ -268,13 +276,14 @@ def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_l
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
-    """PPO-clip with decoupled bounds, per token (r, T); adv (r,) broadcast along T. As verl: the
+    """PPO-clip with decoupled bounds, per token (r, T): the README's first three lines. As verl: the
     log-ratio is clamped to +-20 before exp (no overflow to inf), and dual-clip caps a negative-advantage
     token's loss at -c*A, however far its ratio has run."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
-    a = adv[:, None]  # (r, 1)
-    loss = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T)
-    return torch.where(a < 0, torch.min(loss, -clip_ratio_c * a), loss), ratio
+    a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
+    pg = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T) clip
+    pg = torch.where(a < 0, torch.min(pg, -clip_ratio_c * a), pg)  # (r, T) dual clip
+    return pg, ratio
 
 
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
@@ -309,54 +318,45 @@ def kl_k2(logp, ref_logp):
     return 0.5 * (logp - ref_logp).clamp(-10, 10) ** 2
 
 
-# ----------------------------------------------------------------------------
-# Policy update
+def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
+    """The README's loss, line for line, per token (r, T): the policy term (PPO's ratio, clip and dual clip,
+    or --loss's objective), its TIS weight (a constant: no gradient), the k2 KL to the reference (ref_logp
+    None: none), each token weighted by w (loss_weights). Returns the loss, ratio, where the clip binds, KL."""
+    pg, ratio, clipped = policy_token_loss(logp, old_logp, adv, mask, cfg)  # (r, T) each
+    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap).detach()  # (r, T) on the policy term only (verl)
+    kl = kl_k2(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (r, T)
+    loss = w * (tis * pg + cfg.kl_coef * kl)  # (r, T), summed over the mini-batch: its loss
+    return loss, ratio, clipped, kl
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows; returns the update's metrics. batch: the
-    rows this rank holds (K = 1: all), with batch["lengths"] (G, m), every row's valid tokens; adv (r,): its
-    rows'. Mini-batches, normalisers and metrics are all rows'; each rank computes the loss of its own rows."""
+    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's token_loss summed;
+    returns the metrics. batch: this rank's rows (K = 1: all), batch["lengths"] (G, m) every row's valid tokens;
+    adv (r,): its rows'. Mini-batches, normalisers, metrics: all rows'; each rank computes its own rows' loss."""
     G, m = batch["lengths"].shape
     R, dev, tokens = G * m, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
-    my_micro_batches = lambda rows: distributed.micro_batches(rows, G, m, cfg.micro_batch)  # this rank's of rows
-    chunks = my_micro_batches(torch.arange(R))  # all its rows: old (and reference) log-probs, before any update
-    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (r, T) each
-    with torch.no_grad(), autocast(cfg, dev):
-        if uses_sampler_logp(cfg, model):  # same weights, no update yet: the sampler's own
-            old_logp, ent = sampler_logp, batch["sampler_entropy"]  # (r, T) each
-        else:  # a trainer forward (the paper's setup): sampler and trainer numerics differ
-            old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows.to(dev), cfg.temperature, True)
-                                                          for rows in chunks]))  # (r, T) each
-        with as_reference(ref_model) as ref:  # with LoRA: the policy with the reference's adapter, or none
-            ref_logp = torch.cat([response_logprobs(ref, batch, rows.to(dev), cfg.temperature)
-                                  for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
+    my_micro_batches = lambda rows: [r.to(dev) for r in distributed.micro_batches(rows, G, m, cfg.micro_batch)]
+    sampler_logp, valid, agg = batch["sampler_logp"], batch["resp_mask"], aggregation(cfg.loss, cfg.loss_agg)
+    # before any update: the old policy's log-probs and entropies (r, T) (the sampler's or a forward's), the reference's
+    old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch, my_micro_batches(torch.arange(R)), cfg, dev)
     # sampler/trainer drift: how far the policy that drew the tokens is from the loss's old policy; 0 by
     # construction with the sampler's log-probs (then the first mini-batch's max|ratio-1| measures it)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
-    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)  # (r, T)
     sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0, kl=0.0,
                 drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)  # sums, then maxes
     grad_norm = 0.0
     # even mini-batches of a permutation the same on every rank (10 rows in 4: 3, 3, 2, 2; fewer rows: one each)
     minibatches = torch.randperm(R, generator=gen_cpu).tensor_split(min(cfg.n_minibatches, R))
     for k, mb in enumerate(minibatches):
-        micro = [rows.to(dev) for rows in my_micro_batches(mb)]  # its rows of the mini-batch, micro-batched
-        my_rows = torch.cat(micro) if micro else mb[:0].to(dev)
-        w = loss_weights(valid[my_rows], cfg.loss_agg, tokens[mb].sum(), len(mb), cfg.max_new_tokens)  # (r_mb, T)
         opt.zero_grad(set_to_none=True)
-        for j, rows in enumerate(micro):
-            wr = w[j * cfg.micro_batch: j * cfg.micro_batch + len(rows)]
-            mask = valid[rows]
+        for rows in my_micro_batches(mb):  # this rank's rows of the mini-batch, micro-batched
+            mask, ref = valid[rows], ref_logp[rows] if ref_logp is not None else None  # (r, T) each
             with autocast(cfg, dev):  # a fresh region per forward: it sees the last opt.step()
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
-            tok_loss, ratio, clipped = policy_token_loss(logp, old_logp[rows], adv[rows], mask, cfg)
-            tok_loss = tok_loss * tis[rows]  # TIS on the policy loss only, not on the KL (verl)
-            if ref_logp is not None:
-                kl = kl_k2(logp, ref_logp[rows])
-                tok_loss = tok_loss + cfg.kl_coef * kl
-                sums["kl"] += (kl * mask).sum().item()
-            (tok_loss * wr).sum().backward()
+            w = loss_weights(mask, agg, tokens[mb].sum(), len(mb), cfg.max_new_tokens, logp.dtype)  # (r, T)
+            loss, ratio, clipped, kl = token_loss(logp, old_logp[rows], sampler_logp[rows], ref, adv[rows], mask, w, cfg)
+            loss.sum().backward()
+            sums["kl"] += (kl * mask).sum().item()
             sums["clip_frac"] += (clipped & mask).sum().item()
             if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
                 sums["max_ratio_dev"] = max(sums["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
@@ -385,15 +385,15 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        all_rewards = torch.stack([r for _, _, r, _ in kept])  # (G, N), every rank has all
+        all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
         # --train_rollouts m (PODS): the update's rows, advantages over those m; m = N is the run without it exactly
         keep = max_variance_subset(all_rewards, cfg.train_rollouts or cfg.n_rollouts)  # (G, m)
         rewards = all_rewards.gather(1, keep)  # (G, m)
-        lengths = torch.stack([n for _, _, _, n in kept]).gather(1, keep)  # (G, m) valid tokens per response
+        lengths = torch.stack([k.lengths for k in kept]).gather(1, keep)  # (G, m) valid tokens per response
         adv = compute_advantages(rewards, cfg.adv_norm, lengths)  # (G, m)
         # each kept group to the rank that trains it (K = 1: all here), then this rank's as one batch
-        groups = distributed.balance([ro.group(g, keep[j]) if ro is not None else None
-                                       for j, (ro, g, _, _) in enumerate(kept)])
+        groups = distributed.balance([k.rollouts.group(k.index, keep[j]) if k.rollouts is not None else None
+                                       for j, k in enumerate(kept)])
         my_groups = [j for j, x in enumerate(groups) if x is not None]
         batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
         model.train()

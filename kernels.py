@@ -20,7 +20,8 @@ Rows whose target is -100 are ignored: logp 0, entropy 0, gradient exactly 0.
 Backends of `token_logprobs`:
 - CUDA tensors: the Triton kernels below (backend="auto" or "triton").
 - CPU tensors: `token_logprobs_ref`, plain torch, chunked over rows (backend="auto" or "torch").
-  backend="triton" on a CPU runs the same kernels through the Triton interpreter (slow; for tests).
+  backend="triton" on a CPU runs the same kernels through the Triton interpreter (slow; for tests),
+  or says in one line why it cannot here (interpreter_problem: triton 3.6 with numpy >= 2.4).
 
 From hidden states: `linear_logprobs(hidden, weight, targets)` returns what
 token_logprobs(hidden @ weight.T, targets) returns, with gradients for hidden and weight, but makes
@@ -283,6 +284,23 @@ def _row_view(logits):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def interpreter_problem() -> str:
+    """Why the Triton interpreter (backend="triton" on a CPU tensor) cannot run here, in one line; '' if
+    it can. Triton 3.6's interpreter converts numpy arrays to Python scalars in a way numpy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars", inside every kernel); 3.7's does not."""
+    if not HAS_TRITON:
+        return "needs triton, which is not installed (it ships for Linux only)"
+    try:
+        import numpy  # the interpreter runs every program on numpy arrays
+    except ImportError:
+        return "the Triton interpreter needs numpy: pip install numpy"
+    version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # "3.6.0" -> (3, 6)
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+        return (f"triton {triton.__version__}'s CPU interpreter fails with numpy {numpy.__version__} (>= 2.4): "
+                "pip install 'numpy<2.4' (or triton>=3.7), or use backend='torch'")
+    return ""
+
+
 def _launch(kernel, logits, *args):
     """Launch kernel over the rows of logits; args: the kernel's arguments after logits_ptr
     up to inv_temp (the launcher fills in R, T_inner, V, strides and the config)."""
@@ -291,6 +309,8 @@ def _launch(kernel, logits, *args):
     if logits.device.type == "cpu" and isinstance(kernel, triton.runtime.JITFunction):
         raise ValueError("backend='triton' on a CPU tensor needs the Triton interpreter: set "
                          "TRITON_INTERPRET=1 before kernels.py is imported, or use a CUDA tensor")
+    if logits.device.type == "cpu" and (problem := interpreter_problem()):
+        raise ValueError(f"backend='triton' on a CPU tensor: {problem}")
     if logits.numel() == 0:  # no rows: nothing to launch (a grid of 0 programs is an error)
         return
     x = _row_view(logits)  # (B, T_inner, V)

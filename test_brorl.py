@@ -210,6 +210,8 @@ def test_loss_weights_sum_to_one_and_ignore_padding(agg):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
     w = brorl.loss_weights(mask, agg)
     assert w.sum().item() == pytest.approx(1.0) and (w[~mask] == 0).all()
+    w64 = brorl.loss_weights(mask, agg, dtype=torch.float64)  # in the loss's dtype: float64 checks stay float64's
+    assert w64.dtype == torch.float64 and abs(w64.sum().item() - 1) < 1e-15 and torch.equal(w64.float(), w)
     if agg == "token":
         assert torch.allclose(w[mask], torch.full_like(w[mask], 1 / 6))
     else:
@@ -238,7 +240,7 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     assert stats["groups_generated"] == 9 and stats["rounds"] == 2
     assert stats["groups_survived"] == 4  # keep_rate counts survivors before truncation: 4 / 9
     assert stats["groups_kept"] == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
-    assert all(r.min() != r.max() for _, _, r, _ in kept)
+    assert all(g.rewards.min() != g.rewards.max() and g.rollouts is not None for g in kept)
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
@@ -274,6 +276,9 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
 FP32_TOL = 1e-5  # fp32 accumulation over <= 50k columns: observed errors are ~2e-6
 # where the kernel tests run: on a GPU the compiled kernel, on a CPU the interpreter
 KDEV = "cuda" if torch.cuda.is_available() else "cpu"
+# where the interpreter cannot run (triton 3.6 with numpy >= 2.4) the kernel tests skip with its one-line reason
+NO_KERNEL = "" if KDEV == "cuda" else kernels.interpreter_problem()
+needs_kernel = pytest.mark.skipif(bool(NO_KERNEL), reason=NO_KERNEL)
 
 
 def _inputs(lead, V, dtype, seed, n_ignored=1, device=KDEV):
@@ -343,6 +348,7 @@ def test_reference_matches_float64(monkeypatch):
     ((1,), 50257, 1.3),      # a single row, 50 vocabulary blocks, last one partial
     ((2, 2), 50257, 0.7),
 ])
+@needs_kernel
 def test_kernel_fp32_matches_float64(lead, V, temperature):
     x, t, g = _inputs(lead, V, torch.float32, seed=V + len(lead))
     if lead == (1,):

@@ -3,7 +3,7 @@ config.py: the command line. Every field of brorl.py's Config is a --flag (its s
 --help); presets are named bundles of overrides applied before the flags given; --resume starts from a
 run's own config.json; check_config names the first thing wrong with a config in one line; fail() stops
 with such a line. It imports nothing of ours but the embedded models' paths (data.py), the verifiers'
-names (verify.py) and the process count (distributed.py).
+names (verify.py), the process count (distributed.py) and --loss_agg auto's meaning (objectives.py).
 """
 
 import argparse
@@ -21,6 +21,7 @@ from tqdm import tqdm
 import data
 import verify
 from lib import distributed
+from lib.objectives import aggregation
 
 
 def fail(msg: str):
@@ -108,7 +109,7 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     """Config from the command line: the preset's overrides, then the flags given. With --resume, the
     run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
     FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is refused, as
-    it could not take effect; then check_config."""
+    it could not take effect; then check_config. The config records what runs: --loss_agg auto resolved."""
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = field_help(config_cls)
@@ -139,7 +140,7 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     problem = check_config(cfg)
     if problem:
         parser.error(problem)
-    return cfg
+    return dataclasses.replace(cfg, loss_agg=aggregation(cfg.loss, cfg.loss_agg))
 
 
 def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
@@ -191,7 +192,7 @@ PRESETS = {
                       grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
     # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub repository
     # below at its v2 revision (pin the revision with --model id@revision; BroRL's own result is the
-    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts x 16k tokens a step, on 64 GPUs. lr: ProRL v2's
+    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts a step, up to 16k tokens a response, on 64 GPUs. lr: ProRL v2's
     # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
     # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
     # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
@@ -262,7 +263,8 @@ def check_config(cfg) -> str:
         (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
         (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
         (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
-        (cfg.loss_agg in ("token", "sequence", "constant"), f"--loss_agg {cfg.loss_agg!r}: choose token, sequence or constant"),
+        (cfg.loss_agg in ("auto", "token", "sequence", "constant"),
+         f"--loss_agg {cfg.loss_agg!r}: choose auto, token, sequence or constant"),
         (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
         (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
         (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
@@ -274,7 +276,8 @@ def check_config(cfg) -> str:
         (min(cfg.sample_prompts, cfg.sample_responses, cfg.sample_groups) >= 0, "--sample_* must be >= 0 (0: none)"),
         (set(cfg.report_to.split(",")) <= {"none", "tensorboard", "wandb"},
          f"--report_to {cfg.report_to!r}: choose none, tensorboard, wandb, or tensorboard,wandb"),
-        (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give a run's ckpt dir there, not --resume"),
+        (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give the run directory (or its ckpt/) "
+                                            "there, not --resume"),
         (not (cfg.init_from and cfg.resume), "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
         (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),

@@ -527,6 +527,9 @@ def start(cfg) -> Run:
     refusal comes before the run directory is touched; config.json is written by Run.restore."""
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
+    if cfg.loss == "gspo" and cfg.loss_agg != "sequence" and distributed.is_main():  # allowed, but said first
+        print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean (--loss_agg sequence, "
+              "gspo's default)")
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None  # ckpt/, or what a crash in its save left
     state = read_trainer_state(ckpt, cfg) if ckpt else None
     say = tqdm.write if distributed.is_main() else (lambda line: None)

@@ -1,12 +1,22 @@
 """
 objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a drop-in
 for one piece of it. --loss gspo and --loss cispo replace PPO-clip's per-token loss (brorl.policy_token_loss
-picks one); --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most
-(PODS), keeping the breadth of sampling without the update's cost. The paper's own pieces (PPO-clip with
-dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
+picks one; with --loss gspo, --loss_agg auto is GSPO's per-sequence mean: aggregation); --train_rollouts m
+trains each group on the m of its N rollouts whose rewards vary most (PODS), keeping the breadth of
+sampling without the update's cost. The paper's own pieces (PPO-clip with dual-clip, TIS, the k2 KL, the
+normalisers) are in brorl.py.
 """
 
 import torch
+
+
+def aggregation(loss: str, loss_agg: str) -> str:
+    """--loss_agg as run: auto is the per-sequence mean with --loss gspo (its paper's objective, and what verl
+    hard-codes inside its GSPO loss: a token mean would weigh each sequence's ratio by its length, another
+    gradient on ragged batches), the token mean (DAPO's) otherwise."""
+    if loss_agg != "auto":
+        return loss_agg
+    return "sequence" if loss == "gspo" else "token"
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -21,7 +31,7 @@ def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
     return cands[best, torch.arange(G)].sort(1).values  # (G, m)
 
 
-def gspo_token_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
+def gspo_token_loss(logp, old_logp, adv, mask, clip_low, clip_high):
     """GSPO (arXiv 2507.18071), per token (r, T). Where PPO has a ratio per token, GSPO has one per
     sequence, s = exp(mean over its tokens of logp - logp_old) (the geometric mean of its token ratios:
     length-normalised, so it stays near 1), clipped per sequence, [1 - 3e-4, 1 + 4e-4] in the paper:
@@ -35,7 +45,7 @@ def gspo_token_loss(logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4):
     return torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a), ratio  # (r, T)
 
 
-def cispo_token_loss(logp, old_logp, adv, clip_high=0.28):
+def cispo_token_loss(logp, old_logp, adv, clip_high):
     """CISPO (MiniMax-M1, arXiv 2506.13585), per token (r, T): -sg(min(ratio, 1 + eps_high)) * A * logp.
     Where PPO drops a token whose ratio left the trust region (zero gradient), CISPO keeps every token's
     REINFORCE gradient and clips only its importance weight, detached. The paper sets no lower bound and

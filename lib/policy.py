@@ -322,6 +322,23 @@ def uses_sampler_logp(cfg, model) -> bool:
     return cfg.old_logp == "sampler" or (cfg.old_logp == "auto" and fp32)
 
 
+def old_logprobs(model, ref_model, batch, chunks, cfg, dev):
+    """Before an update, over this rank's rows (chunks: its micro-batches on `dev`): the old policy's
+    log-probs and entropies (r, T), the sampler's (uses_sampler_logp: the same weights, no update yet)
+    or a trainer forward's (the paper's setup: sampler and trainer numerics differ), and the KL
+    reference's log-probs (r, T) (with LoRA: the policy with the reference's adapter), or None."""
+    with torch.no_grad(), autocast(cfg, dev):
+        if uses_sampler_logp(cfg, model):
+            old_logp, ent = batch["sampler_logp"], batch["sampler_entropy"]  # (r, T) each
+        else:
+            old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
+                                                          for rows in chunks]))  # (r, T) each
+        with as_reference(ref_model) as ref:
+            ref_logp = torch.cat([response_logprobs(ref, batch, rows, cfg.temperature)
+                                  for rows in chunks]) if cfg.kl_coef > 0 else None  # (r, T)
+    return old_logp, ent, ref_logp
+
+
 def clip_gradients(model, max_norm: float) -> float:
     """Clip the global gradient norm to max_norm; return the norm before clipping, over every process's
     shards (FSDP's gradients are DTensors: their norm is gathered whole)."""

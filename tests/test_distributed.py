@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 
 # Runs brorl.train as `python brorl.py` would, recording per rank: every sample_share call (this rank's
 # prompts and texts, and the rewards of all ranks), every clipped mini-batch's gradient norm and this
-# rank's rows of that mini-batch, the kept groups it trained each step, the micro-batches it ran with no row, and which
+# rank's rows of each of its micro-batches (loss_weights' calls; every rank runs as many), the kept groups it
+# trained each step, the micro-batches it ran with no row, and which
 # log-prob kernel the update called (from hidden states, or from logits). CRASH_AT_UPDATE=<rank>:<n>
 # makes that rank raise in its n-th update.
 RUNNER = textwrap.dedent('''

@@ -29,7 +29,8 @@ import data
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "NOTES.md", "docs/paper.md"]
-MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench")
+MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench", "objectives",
+           "policy", "config")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -181,7 +182,8 @@ def name_problems(root: Path) -> list:
 
 # Flags of programs that are not ours, as the docs use them: PyTorch's launcher, pip, argparse's help
 EXTERNAL_FLAGS = {"standalone", "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "index-url", "help",
-                  "target", "no-index", "no-deps", "timeout"}  # pip install --no-index --no-deps --target; pytest-timeout
+                  "target", "no-index", "no-deps", "timeout",  # pip install --no-index --no-deps --target; pytest-timeout
+                  "python-version", "only-binary"}  # pip download for another Python
 FLAG = re.compile(r"(?<![\w-])--([a-zA-Z][\w-]*)")
 
 
@@ -388,6 +390,81 @@ def test_readme_lists_every_module():
     modules = [*ROOT.glob("*.py"), *ROOT.glob("lib/*.py"), *ROOT.glob("tools/*.py")]
     missing = [p.name for p in modules if p.name != "__init__.py" and not any(fnmatch.fnmatch(p.name, n) for n in named)]
     assert missing == [] and "`tests/`" in table, f"not in README's file table: {missing}"
+
+
+def test_help_gives_each_flag_one_default():
+    """A field's comment that names its default writes it "(default: ...)", so that --help adds no second one."""
+    helps = config.field_help(brorl.Config)
+    assert [n for n, text in helps.items() if "default" in text and text.count("(default:") != 1] == []
+
+
+def test_embedded_model_size_is_the_same_everywhere():
+    """Every "embedded ... N.NNM" (and "`assets/tiny-arith` (N.NNM") in the docs is the shipped model's size."""
+    from transformers import AutoModelForCausalLM
+    size = f"{sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(data.EMBEDDED_MODEL).parameters()) / 1e6:.2f}"
+    pattern = re.compile(r"(?:embedded|tiny-arith`)\D{0,12}?(\d+(?:\.\d+)?)M\b")
+    found = [(doc, x) for doc in [*DOCS, "brorl.py"] for x in pattern.findall((ROOT / doc).read_text())]
+    assert found and all(x == size for _, x in found), (size, found)
+
+
+def readme_brorl_commands() -> list:
+    """The `python brorl.py ...` lines of README's code blocks, as argument lists (a placeholder's line left out)."""
+    lines = [ln for block in FENCE.findall((ROOT / "README.md").read_text())
+             for ln in block.replace("\\\n", " ").splitlines()]
+    return [ln.split(" #")[0].split("brorl.py", 1)[1].split() for ln in lines
+            if ln.startswith("python brorl.py") and "<" not in ln]
+
+
+def test_readme_commands_parse_and_name_each_objective():
+    """Every README `python brorl.py` line is a valid config; one line each runs GSPO, CISPO, Dr. GRPO, PODS and
+    LoRA (at 10x full fine-tuning's lr, as NOTES.md's study), and the paper's eval protocol is the paper preset's."""
+    cfgs = [brorl.parse_config(args) for args in readme_brorl_commands()]
+    default = brorl.Config()
+    wanted = {"GSPO": lambda c: c.loss == "gspo" and c.loss_agg == "sequence",
+              "CISPO": lambda c: c.loss == "cispo",
+              "Dr. GRPO": lambda c: c.loss == "ppo" and c.adv_norm == "none" and c.loss_agg == "constant",
+              "PODS": lambda c: 0 < c.train_rollouts < c.n_rollouts,
+              "LoRA": lambda c: c.lora_rank > 0 and c.lr == 10 * default.lr}
+    assert [name for name, ok in wanted.items() if not any(ok(c) for c in cfgs)] == []
+    paper = {**dataclasses.asdict(default), **config.PRESETS["paper"]}
+    evals = [c for c in cfgs if c.eval_only]
+    assert evals and all((c.eval_max_new_tokens or c.max_new_tokens) == paper["eval_max_new_tokens"]
+                         and c.eval_samples == paper["eval_samples"] for c in evals)
+
+
+def test_readme_loss_is_the_codes_lines():
+    """README's loss block, line for line: the names it assigns are the ones brorl.ppo_token_loss, then
+    brorl.token_loss, assign, in order; its numbers are Config's defaults."""
+    import ast
+    import inspect
+    md = (ROOT / "README.md").read_text()
+    block = md.split("**The loss**", 1)[1].split("```", 2)[1]
+    readme = [ln.split("=")[0].strip() for ln in block.splitlines() if "=" in ln]
+
+    def assigned(fn, skip=()):
+        body = ast.parse(inspect.getsource(fn).strip()).body[0].body
+        return [t.id for node in body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name) and t.id not in skip]
+    # ppo_token_loss's `a` is adv along T; token_loss's first line calls the objective (its first three lines)
+    code = assigned(brorl.ppo_token_loss, skip=("a",)) + assigned(brorl.token_loss)
+    assert readme == code, (readme, code)
+    cfg = brorl.Config()
+    assert f"clamp(ratio, 1 - {cfg.clip_low:g}, 1 + {cfg.clip_high:g})" in block and f"min(pg, {cfg.clip_ratio_c:g} |A|)" in block
+
+
+def test_readme_objective_figures_are_the_notebooks():
+    """The pass@1 figures README's Objectives paragraph quotes are NOTES.md's; NOTES.md's table of the arms
+    says what each shared and kept, its flags each that arm's."""
+    md, notes = (ROOT / "README.md").read_text(), (ROOT / "NOTES.md").read_text()
+    paragraph = md.split("**Objectives**", 1)[1].split("\n\n", 1)[0]
+    figures = re.findall(r"\b0\.\d{3}\b", paragraph)
+    assert len(figures) >= 4 and [x for x in figures if x not in notes] == []
+    header = "| arm | flags | advantage | aggregation | kept from PPO's recipe |"
+    assert header in notes
+    rows = re.findall(r"^\| ([^|]+) \| `([^`]+)` \|", notes.split(header, 1)[1].split("\n\n", 1)[0], flags=re.M)
+    arms = {name.split(" (")[0]: brorl.parse_config(flags.split()) for name, flags in rows}
+    assert arms["PPO"].loss == "ppo" and arms["GSPO"].loss == "gspo" and arms["CISPO"].loss == "cispo"
+    assert arms["Dr. GRPO"].adv_norm == "none" and all(a.adv_norm == "batch" for n, a in arms.items() if n != "Dr. GRPO")
 
 
 # ----------------------------------------------------------------------------

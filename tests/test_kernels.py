@@ -9,7 +9,7 @@ import torch
 from tools import bench_kernels
 import kernels
 from kernels import token_logprobs
-from test_brorl import FP32_TOL, KDEV, _assert_fp32_close, _err, _inputs, _oracle, _run
+from test_brorl import FP32_TOL, KDEV, _assert_fp32_close, _err, _inputs, _oracle, _run, needs_kernel
 
 
 # ----------------------------------------------------------------------------
@@ -29,6 +29,7 @@ def test_auto_backend_on_cpu_is_the_reference():
 # the Triton kernels, executed (the interpreter on a CPU)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lead, V, temperature", [((3, 2), 1000, 0.7), ((3,), 50257, 1.3)])
 def test_kernel_low_precision_no_worse_than_torch(dtype, lead, V, temperature):
@@ -53,6 +54,7 @@ def test_kernel_low_precision_no_worse_than_torch(dtype, lead, V, temperature):
     assert grad.dtype == dtype and (logp <= 0).all() and (grad[~valid] == 0).all()
 
 
+@needs_kernel
 def test_kernel_many_row_and_vocab_blocks(monkeypatch):
     # small blocks: 3 row blocks (the last partial) and 16 vocabulary blocks; logits sorted
     # ascending so the running max grows at every block and every rescale is exercised
@@ -63,6 +65,7 @@ def test_kernel_many_row_and_vocab_blocks(monkeypatch):
     _assert_fp32_close(_run(x, t, g, 0.7, "triton"), _oracle(x, t, g, 0.7), t)
 
 
+@needs_kernel
 def test_kernel_ignored_rows():
     # all rows ignored, then a mix (incl. a whole block of 8 ignored rows)
     x, t, g = _inputs((3, 4), 1000, torch.bfloat16, seed=4, n_ignored=12)
@@ -74,6 +77,7 @@ def test_kernel_ignored_rows():
     _assert_fp32_close(_run(x, t, g, 1.3, "triton"), _oracle(x, t, g, 1.3), t)
 
 
+@needs_kernel
 def test_peaked_and_masked_logits():
     # p(target) ~ 1 (logp must round to <= 0, never above) and -inf logits (a masked vocabulary)
     x, t, g = _inputs((4,), 1000, torch.float32, seed=6, n_ignored=0)
@@ -91,6 +95,7 @@ def test_peaked_and_masked_logits():
                 _assert_fp32_close(ours, _oracle(x, t, g, 0.7), t)
 
 
+@needs_kernel
 def test_kernel_non_contiguous_logits_are_read_in_place():
     # logits[:, :-1] (the usual next-token shift) and a column-major (R, V): same numbers
     x, t, g = _inputs((2, 4), 1000, torch.bfloat16, seed=7)
@@ -103,6 +108,7 @@ def test_kernel_non_contiguous_logits_are_read_in_place():
             assert torch.equal(a, b)
 
 
+@needs_kernel
 def test_kernel_offsets_past_2_to_31():
     # The third row starts at element 2^31 + 34 of a 4 GiB bf16 buffer that stays untouched
     # except for 3 rows (pages are only mapped when written). With 32-bit offsets this reads
@@ -124,6 +130,7 @@ def test_kernel_offsets_past_2_to_31():
     del big, x
 
 
+@needs_kernel
 def test_kernel_allocates_no_fp32_copy():
     # the launcher must not upcast: during forward + backward torch allocates the bf16
     # gradient (R, V) and a few (R,) vectors, nothing else (counted by the torch profiler)
@@ -134,6 +141,7 @@ def test_kernel_allocates_no_fp32_copy():
     assert x.grad.numel() * 2 <= peak <= x.grad.numel() * 2 + 64 * 1024
 
 
+@needs_kernel
 def test_empty_input():
     for backend in ("triton", "torch"):
         x = torch.randn(0, 3, 7, device=KDEV, requires_grad=True)
@@ -142,6 +150,29 @@ def test_empty_input():
         assert logp.shape == (0, 3) and x.grad.shape == x.shape
 
 
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton ships for Linux only")
+def test_triton_36_with_numpy_24_says_in_one_line_what_to_install(monkeypatch):
+    """triton 3.6's interpreter fails inside every kernel with numpy >= 2.4: a kernel call on a CPU says
+    so in one line, naming what to install, and the kernel tests skip with that line as their reason."""
+    import numpy
+    import triton
+    x, t = torch.randn(3, 50), torch.randint(0, 50, (3,))
+    for triton_v, numpy_v, broken in [("3.6.0", "2.5.2", True), ("3.6.0", "2.4.0", True), ("3.6.0", "2.3.5", False),
+                                       ("3.7.1", "2.5.2", False)]:
+        monkeypatch.setattr(triton, "__version__", triton_v)
+        monkeypatch.setattr(numpy, "__version__", numpy_v)
+        problem = kernels.interpreter_problem()
+        assert bool(problem) == broken and "\n" not in problem
+        if broken and KDEV == "cpu":  # (on a GPU machine a CPU tensor is refused first: no interpreter is set up)
+            assert "pip install 'numpy<2.4'" in problem and f"numpy {numpy_v}" in problem
+            for call in (lambda: token_logprobs(x, t, backend="triton"),
+                         lambda: kernels.linear_logprobs(torch.randn(3, 4), torch.randn(50, 4), t, backend="triton")):
+                with pytest.raises(ValueError, match="numpy<2.4") as e:
+                    call()
+                assert "\n" not in str(e.value)
+
+
+@needs_kernel
 def test_interpreter_works_when_triton_was_imported_first():
     # torch._dynamo (torch.compile, checkpoint) imports triton; if that happens before
     # kernels.py sets TRITON_INTERPRET, triton.language's own helpers must still be interpreted
@@ -195,7 +226,7 @@ def test_without_triton_the_reference_serves_and_a_run_trains(tmp_path):
 # bad input
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_kernel), "torch"])
 def test_bad_inputs_raise_value_error(backend):
     x, t, _ = _inputs((2, 3), 50, torch.float32, seed=9)
     bad = [

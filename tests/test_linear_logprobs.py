@@ -15,9 +15,10 @@ import brorl
 from lib import policy
 import kernels
 from kernels import linear_logprobs
+from test_brorl import needs_kernel
 
 FP32_TOL = 1e-5  # fp32 matmul over D <= 64 and accumulation over V <= 3000: observed ~2e-6
-BACKENDS = ["torch", "triton"]  # triton: the interpreter on a CPU (small shapes: it is slow)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_kernel)]  # triton: the interpreter on a CPU (small shapes: it is slow)
 
 
 def _device(backend):

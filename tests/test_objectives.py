@@ -4,6 +4,7 @@ formula written out independently: per sequence and per token, in plain Python l
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -96,39 +97,124 @@ def test_dr_grpo_constant_normaliser_and_no_std():
     assert brorl.loss_weights(long_rows, "constant", max_len=6).sum().item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("loss,agg", [("gspo", "sequence"), ("cispo", "token"), ("ppo", "constant")])
-def test_micro_batching_changes_memory_not_the_gradient(tmp_path, loss, agg):
-    """As PPO's test in tests/test_update.py: any micro-batch size gives the one-shot update, for every objective."""
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen2 saved to disk, a batch of 2 groups x 6 rollouts of it, and advantages (12,)."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    path = tmp_path_factory.mktemp("tiny")
     tok = data.build_tokenizer()
     torch.manual_seed(0)
     mc = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, initializer_range=0.3,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
-    Qwen2ForCausalLM(mc).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="brorl").eval()
+    Qwen2ForCausalLM(mc).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").eval()
     ro = brorl.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
     batch = policy.pack_groups([ro.group(g) for g in range(2)])
     adv = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    return path, batch, adv
 
-    def update(micro_batch):
-        m = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="brorl").double().train()
-        # the old policy a little off the current one, so that clips bind
-        old = {**batch, "sampler_logp": batch["sampler_logp"].double() + 0.2 * torch.randn(
-            batch["sampler_logp"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)}
-        cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, old_logp="sampler", loss=loss,
-                           loss_agg=agg, max_new_tokens=6, tis_cap=0, gspo_clip_low=0.05, gspo_clip_high=0.05)
-        opt = torch.optim.SGD(m.parameters(), lr=1.0)
-        before = [p.detach().clone() for p in m.parameters()]
-        info = brorl.update_policy(m, None, opt, old, adv, cfg, torch.Generator().manual_seed(0))
-        return [b - p.detach() for b, p in zip(before, m.parameters())], info
 
-    full, info = update(12)
+def _update(tiny, micro_batch, batch=None, **flags):
+    """The parameter change of one SGD step (lr 1) of update_policy in float64, with the old policy a little
+    off the current one so that clips bind, and the update's metrics."""
+    from transformers import AutoModelForCausalLM
+    path, tiny_batch, adv = tiny
+    batch = batch or tiny_batch
+    m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").double().train()
+    old = {**batch, "sampler_logp": batch["sampler_logp"].double() + 0.2 * torch.randn(
+        batch["sampler_logp"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)}
+    cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, old_logp="sampler", max_new_tokens=6,
+                       tis_cap=0, **flags)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in m.parameters()]
+    info = brorl.update_policy(m, None, opt, old, adv, cfg, torch.Generator().manual_seed(0))
+    return [b - p.detach() for b, p in zip(before, m.parameters())], info
+
+
+@pytest.mark.parametrize("loss,agg", [("gspo", "sequence"), ("cispo", "token"), ("ppo", "constant")])
+def test_micro_batching_changes_memory_not_the_gradient(tiny, loss, agg):
+    """As PPO's test in tests/test_update.py: any micro-batch size gives the one-shot update, for every objective."""
+    flags = dict(loss=loss, loss_agg=agg, gspo_clip_low=0.05, gspo_clip_high=0.05)
+    full, info = _update(tiny, 12, **flags)
     assert 0 < info["clip_frac"] < 1 and math.isfinite(info["grad_norm"]) and info["grad_norm"] > 0
     for mb in (1, 5):
-        part, _ = update(mb)
+        part, _ = _update(tiny, mb, **flags)
         for a, b in zip(full, part):
             assert (a - b).norm() <= 1e-6 * a.norm() + 1e-12  # as PPO's test: the log-prob kernel sums in its own order
+
+
+def test_gspo_runs_its_papers_sequence_mean_unless_told_otherwise(tiny):
+    """--loss gspo alone is GSPO's objective: the per-sequence mean (a token mean weighs each sequence's ratio
+    by its length). --loss_agg given is what runs; the run's first line then says it is not GSPO's."""
+    assert brorl.parse_config(["--loss", "gspo"]).loss_agg == "sequence"
+    assert brorl.parse_config(["--loss", "gspo", "--loss_agg", "token"]).loss_agg == "token"
+    assert brorl.parse_config([]).loss_agg == brorl.parse_config(["--loss", "cispo"]).loss_agg == "token"
+    _, batch, _ = tiny
+    lengths = torch.arange(12) % 6 + 1  # (R,) ragged responses: 1 to 6 tokens
+    mask = batch["resp_mask"] & (torch.arange(batch["resp_mask"].shape[1])[None, :] < lengths[:, None])  # (R, T)
+    ragged = {**batch, "resp_mask": mask, "lengths": mask.sum(1).view(2, 6)}
+    flags = dict(batch=ragged, loss="gspo", gspo_clip_low=0.05, gspo_clip_high=0.05)
+    auto, _ = _update(tiny, 12, **flags)  # Config's default, as a Config built in code gets it
+    sequence, _ = _update(tiny, 12, loss_agg="sequence", **flags)
+    token, _ = _update(tiny, 12, loss_agg="token", **flags)
+    assert all(torch.equal(a, b) for a, b in zip(auto, sequence))
+    assert sum((a - b).norm() for a, b in zip(auto, token)) > 1e-3 * sum(a.norm() for a in auto)  # ragged rows
+
+
+@pytest.mark.parametrize("agg, said", [("token", True), ("sequence", False)])
+def test_gspo_with_another_mean_is_said_in_the_runs_first_line(tmp_path, capsys, agg, said):
+    from lib import harness
+    harness.start(brorl.parse_config(["--loss", "gspo", "--loss_agg", agg, "--out", str(tmp_path / "run")]))
+    first = capsys.readouterr().out.splitlines()[0]
+    note = "note: --loss gspo with --loss_agg token: not GSPO's per-sequence mean (--loss_agg sequence, gspo's default)"
+    assert (first == note) == said
+
+
+def test_gspo_default_bounds_are_the_papers():
+    """--loss gspo with Config's default bounds clips each sequence's ratio s at the paper's [1 - 3e-4,
+    1 + 4e-4] (arXiv 2507.18071), through the loss the update computes (brorl.token_loss): a sequence just
+    inside keeps its gradient, one just outside loses all of it, on both sides."""
+    cfg = brorl.Config(loss="gspo")
+    g = torch.Generator().manual_seed(9)
+    s = torch.tensor([1 + 3.5e-4, 1 + 4.5e-4, 1 - 2.5e-4, 1 - 3.5e-4, 1 + 4.5e-4], dtype=torch.float64)  # (r,)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0], dtype=torch.float64)  # the last: above, but A < 0
+    clipped = [False, True, False, True, False]
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 3, 4, 2, 5])[:, None]  # (r, T) ragged
+    old = -torch.rand(5, 6, generator=g, dtype=torch.float64) * 3  # (r, T)
+    logp = (old + s.log()[:, None]).requires_grad_()  # every token's log-ratio log s: the sequence's ratio is s
+    w = brorl.loss_weights(mask, objectives.aggregation(cfg.loss, cfg.loss_agg), dtype=torch.float64)
+    loss, ratio, clip, _ = brorl.token_loss(logp, old, old, None, adv, mask, w, cfg)
+    loss.sum().backward()
+    assert [bool((logp.grad[i] == 0).all()) for i in range(5)] == clipped
+    assert [bool(clip[i][mask[i]].all()) for i in range(5)] == clipped
+    torch.testing.assert_close(ratio[mask], s[:, None].expand(5, 6)[mask])
+
+
+def test_train_rollouts_advantages_are_over_the_trained_rows(monkeypatch):
+    """--train_rollouts m (PODS) through rl_step: the update gets the m rollouts of each group whose rewards
+    vary most, with advantages whitened over THOSE rows' tokens (zero mean, unit variance there), not taken
+    over all N and then gathered."""
+    from test_brorl import PROMPTS
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(data.EMBEDDED_MODEL, attn_implementation="brorl")
+    tok = data.build_tokenizer()
+    N, m = 8, 4
+    pattern = torch.tensor([[1.0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 1, 1, 1]])  # 2 and 6 right of 8
+    monkeypatch.setattr(brorl, "score", lambda ro, *a: pattern[: len(ro.prompt_ids)])
+    seen = {}
+    monkeypatch.setattr(brorl, "update_policy", lambda model, ref, opt, batch, adv, *a: seen.update(batch=batch, adv=adv) or {})
+    cfg = brorl.Config(n_rollouts=N, train_rollouts=m, prompts_per_step=2, max_new_tokens=6)
+    train = [dict(prompt=p, answer="0", task="arith") for p in PROMPTS[:2]]
+    metrics = brorl.rl_step(model, model, None, None, tok, cfg, train, random.Random(0), 1, torch.Generator(), 1.0)
+    lengths, adv = seen["batch"]["lengths"].double(), seen["adv"].view(2, m).double()  # (G, m) each
+    assert lengths.shape == (2, m) and metrics["reward_trained"] == 0.5  # the balanced subsets: 2 right, 2 wrong
+    n = lengths.sum()
+    mean = (lengths * adv).sum() / n  # over the trained rows' tokens
+    var = (lengths * (adv - mean) ** 2).sum() / (n - 1)
+    assert abs(mean) < 1e-6 and abs(var - 1) < 1e-6
+    trained = pattern.gather(1, objectives.max_variance_subset(pattern, m))  # (G, m)
+    torch.testing.assert_close(adv, brorl.compute_advantages(trained, "batch", lengths).double())
 
 
 @pytest.mark.parametrize("binary", [True, False])

@@ -263,3 +263,19 @@ def test_verifier_stays_total_on_the_new_families():
             "\\boxed{1}, " * 5000 + "\\boxed{2}", "x = \\boxed{" + "y = \\boxed{" * 100, "a=" + "(" * 900]
     for text in ugly:
         assert verify.reward(text, "1") in (0.0, 1.0) and verify.is_equiv(text, text[:500]) in (True, False)
+
+
+def test_without_datasets_a_parquet_file_or_hub_dataset_says_what_to_install(monkeypatch, tmp_path, capsys):
+    """The optional datasets package reads .parquet files and hub datasets: without it, one line naming it and
+    the install command (the run stops there), not a ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
+    path = tmp_path / "math.parquet"
+    path.write_bytes(b"PAR1")
+    for source in (str(path), "HuggingFaceH4/MATH-500@test"):
+        with pytest.raises(ValueError, match=r"needs the datasets package: pip install datasets") as e:
+            tasks.load(f"math:{source}")
+        assert str(e.value).startswith(source) and "\n" not in str(e.value)
+    with pytest.raises(SystemExit):
+        harness.load_data(brorl.Config(), "--task", f"math:{path}", "train", 0)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --task math:{path}: ") and "pip install datasets" in err and "\n" not in err

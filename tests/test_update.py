@@ -76,3 +76,68 @@ def test_old_logp_auto_recomputes_unless_the_forward_is_float32():
     assert not policy.uses_sampler_logp(brorl.Config(dtype="bfloat16"), fp32)  # bf16 autocast: a trainer forward
     assert policy.uses_sampler_logp(brorl.Config(dtype="bfloat16", old_logp="sampler"), fp32)
     assert not policy.uses_sampler_logp(brorl.Config(old_logp="recompute"), fp32)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps, at every step, the parameters before it and their gradients."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen = []
+
+    def step(self):
+        self.seen.append([(p.detach().clone(), p.grad.detach().clone()) for p in self.param_groups[0]["params"]])
+        super().step()
+
+
+def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(random_lm, monkeypatch):
+    """Each mini-batch's gradient in update_policy is the gradient of the README's loss written out here,
+    with the old, sampler and current log-probs all different (the sampler's shifted, the current moved by
+    the first mini-batch's step) and a reference apart from all three: ratio, clip, dual clip, TIS as a
+    constant weight (no gradient through it, whatever it is computed from), the k2 KL, 1/T_M. float64."""
+    model, tok = random_lm
+    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(11))
+    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    g = torch.Generator().manual_seed(12)
+    batch["sampler_logp"] = batch["sampler_logp"].double() + 0.3 * torch.randn(18, batch["resp"].shape[1], generator=g,
+                                                                                 dtype=torch.float64)  # (R, T)
+    adv = torch.randn(18, generator=g, dtype=torch.float64)  # (R,)
+    load = lambda: type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double()
+    m, ref, start = load().train(), load(), load()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+    cfg = brorl.Config(micro_batch=5, n_minibatches=2, grad_clip=1e9, old_logp="recompute", kl_coef=0.1, tis_cap=1.2,
+                       clip_ratio_c=1.05, loss_agg="token")  # c near 1: the dual clip binds after one step
+    opt = RecordingSGD(m.parameters(), lr=3.0)
+    weights, dtypes = brorl.loss_weights, set()
+    monkeypatch.setattr(brorl, "loss_weights", lambda *a, **k: (lambda w: dtypes.add(w.dtype) or w)(weights(*a, **k)))
+    brorl.update_policy(m, ref, opt, batch, adv, cfg, torch.Generator().manual_seed(0))
+    assert dtypes == {torch.float64}  # the weights in the loss's dtype
+    minibatches = torch.randperm(18, generator=torch.Generator().manual_seed(0)).tensor_split(2)  # update_policy's
+    C, c, lo, hi = cfg.tis_cap, cfg.clip_ratio_c, cfg.clip_low, cfg.clip_high
+    moved, binds = [], []
+    for (params, grads), rows in zip(map(lambda s: list(zip(*s)), opt.seen), minibatches):
+        now = load().train()
+        with torch.no_grad():
+            for p, v in zip(now.parameters(), params):
+                p.copy_(v)
+            old = policy.response_logprobs(start, batch, rows, 1.0)  # (r, T) before any update
+            ref_logp = policy.response_logprobs(ref, batch, rows, 1.0)  # (r, T)
+        logp = policy.response_logprobs(now, batch, rows, 1.0)  # (r, T)
+        mask, A, sampler = batch["resp_mask"][rows], adv[rows][:, None], batch["sampler_logp"][rows]
+        ratio = torch.exp(torch.clamp(logp - old, -20, 20))
+        pg = torch.max(-ratio * A, -torch.clamp(ratio, 1 - lo, 1 + hi) * A)
+        pg = torch.where(A < 0, torch.min(pg, c * A.abs()), pg)
+        tis = torch.clamp(torch.exp(old - sampler), max=C)  # old and sampler carry no gradient: a constant
+        kl = 0.5 * torch.clamp(logp - ref_logp, -10, 10) ** 2
+        loss = ((tis * pg + cfg.kl_coef * kl) * mask).sum() / mask.sum()
+        expected = torch.autograd.grad(loss, list(now.parameters()))
+        for got, want in zip(grads, expected):  # float64, but the attention scores are float32 (sampler.py): ~1e-7 apart
+            assert (got - want).norm() <= 1e-6 * want.norm() + 1e-12
+        moved.append(((logp.detach() - old).abs() * mask).max().item())
+        binds.append([int((((ratio > 1 + hi) & (A > 0)) | ((ratio < 1 - lo) & (A < 0)))[mask].sum()),
+                      int(((ratio > c) & (A < 0))[mask].sum())])  # tokens where the clip, the dual clip bind
+        assert ((tis < C) & mask).any() and ((tis == C) & mask).any()  # TIS weights, some truncated
+    assert moved[0] < 1e-5 < 1e-2 < moved[1]  # the second mini-batch: current != old (!= sampler)
+    assert binds[0] == [0, 0] and min(binds[1]) > 0  # there: both clips bind on some tokens

@@ -16,17 +16,17 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping (or the
                  alternatives of lib/objectives.py). Every log-prob goes through the one log-prob
                  kernel (kernels.linear_logprobs: from hidden states, the logits never whole).
-  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the
-                 correct mass Q(x) of a fixed probe set (an analogy to Theorem 1's Q_pos: docs/paper.md
-                 §3); one log line per step, metrics.jsonl and metrics.png; a checkpoint at every eval.
+  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the correct
+                 mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled on a probe set and exact
+                 where the answer is one token sequence (lib/mass.py); one log line per step, metrics.jsonl and
+                 metrics.png; a checkpoint at every eval.
 
 Where this simplifies the paper:
   1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks. In
      float32 the sampler's log-probs serve as the old policy's (--old_logp: max|ratio-1| checks it); in
      bf16 the old log-probs are a trainer forward, the drift logged and corrected by TIS (--tis_cap).
-  2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and
-     systematically wrong addition procedures (data.py); RL selects the right one, as RLVR selects
-     among behaviours a real model already has.
+  2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and wrong
+     addition procedures (data.py); RL selects the right one, as RLVR selects among a model's behaviours.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
 Run:
@@ -156,9 +156,8 @@ def parse_config(argv=None) -> Config:
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
-    """This rank's share of the prompts, n rollouts each, sampled and scored. Returns its Rollouts
-    (None if its share is empty), the share (a range of indices into examples), and the rewards,
-    response lengths and truncation flags (len(examples), n) of ALL prompts, gathered from every rank."""
+    """This rank's share of the prompts, n rollouts each, sampled and scored: its Rollouts (None if the share is
+    empty), the share (a range into examples), and ALL prompts' rewards, lengths, truncation flags (P, n)."""
     mine = distributed.share(len(examples))
     scores = torch.zeros(len(mine), 3, n, dtype=torch.float64)  # (prompts, [reward, length, truncated], n)
     ro = None
@@ -189,8 +188,7 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=N
 
 @dataclass
 class Group:
-    """A group kept by dynamic sampling. Every rank has its rewards and lengths; only the rank that sampled
-    it holds its rollouts, at `index` in them (the others: None, None)."""
+    """A kept group: its rewards and lengths (every rank); its rollouts, at `index` (only the rank that sampled it)."""
     rewards: torch.Tensor  # (N,) one per rollout
     lengths: torch.Tensor  # (N,) valid tokens per response
     rollouts: Rollouts = None
@@ -198,9 +196,8 @@ class Group:
 
 
 def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
-    """Sample groups until B survive dynamic sampling (or max_rounds hits). Returns at most B kept Groups and
-    the sampling statistics. Every rank draws the same prompts and sees every group's rewards, so all keep the
-    same groups."""
+    """Sample groups until B survive dynamic sampling (or max_rounds hits): at most B kept Groups, the statistics.
+    Every rank draws the same prompts and sees every group's rewards, so all keep the same groups."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
@@ -234,8 +231,7 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
       batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as ProRL v2
                 and BroRL): each response counts once per token, so with the token-mean loss the advantages
                 sum to 0 over tokens whatever the lengths. Unbiased variance, eps 1e-8 inside the sqrt.
-      response: the same over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO,
-                arXiv 2503.20783: the std division up-weights near-solved and near-hopeless prompts).
+      response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO, 2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the rest, as
     verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it stays 0)."""
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
@@ -276,9 +272,8 @@ def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_l
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
-    """PPO-clip with decoupled bounds, per token (r, T): the README's first three lines. As verl: the
-    log-ratio is clamped to +-20 before exp (no overflow to inf), and dual-clip caps a negative-advantage
-    token's loss at -c*A, however far its ratio has run."""
+    """PPO-clip with decoupled bounds, per token (r, T): the README's first three lines. As verl: the log-ratio
+    clamped to +-20 before exp (no inf), and dual-clip caps a negative-advantage token's loss at -c*A."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
     a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
     pg = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T) clip
@@ -287,9 +282,8 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
 
 
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
-    """--loss: the policy loss per token (r, T), the ratio, and where the clip binds (r, T) (PPO, GSPO:
-    the gradient is zero there; CISPO: the weight is truncated, the gradient kept). Dual-clip is PPO's
-    alone, as in verl: GSPO's and CISPO's bounds already cap a negative-advantage token's loss."""
+    """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero gradient there;
+    CISPO: the weight truncated, the gradient kept). Dual-clip is PPO's alone (verl): the others' bounds cap it."""
     a = adv[:, None]  # (r, 1)
     if cfg.loss == "cispo":
         loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
@@ -305,12 +299,9 @@ def policy_token_loss(logp, old_logp, adv, mask, cfg):
 
 
 def tis_weight(old_logp, sampler_logp, cap):
-    """Truncated importance sampling (r, T): min(exp(logp_old - logp_sampler), C). The tokens were drawn
-    by the sampler, the loss is computed against the trainer's old policy: this reweights one to the
-    other, truncated so that a rare outlier cannot dominate. Exactly 1 when both are the same tensor."""
-    if cap == 0:
-        return torch.ones_like(old_logp)
-    return torch.exp((old_logp - sampler_logp).clamp(max=20)).clamp(max=cap)
+    """Truncated importance sampling (r, T): min(exp(logp_old - logp_sampler), C), the sampler's tokens reweighted
+    to the trainer's old policy, truncated against rare outliers; exactly 1 when both are the same tensor."""
+    return torch.exp((old_logp - sampler_logp).clamp(max=20)).clamp(max=cap) if cap else torch.ones_like(old_logp)
 
 
 def kl_k2(logp, ref_logp):
@@ -330,9 +321,8 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's token_loss summed;
-    returns the metrics. batch: this rank's rows (K = 1: all), batch["lengths"] (G, m) every row's valid tokens;
-    adv (r,): its rows'. Mini-batches, normalisers, metrics: all rows'; each rank computes its own rows' loss."""
+    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed token_loss; the
+    metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows' valid tokens; adv (r,): its rows'."""
     G, m = batch["lengths"].shape
     R, dev, tokens = G * m, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
     my_micro_batches = lambda rows: [r.to(dev) for r in distributed.micro_batches(rows, G, m, cfg.micro_batch)]
@@ -423,8 +413,7 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k) for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]  # k = --eval_samples
     m["eval_correct"] = [int(c) for c in correct.sum(1)]  # per held-out problem, of n samples: for paired tests
-    m["eval_resp_len"] = lengths.mean().item()  # tokens per sampled response
-    m["eval_truncated"] = truncated.mean().item()  # share that hit the length cap
+    m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())  # tokens; share capped
     m["eval_responses"] = responses  # the first few, for samples.jsonl (harness.Run.log), not for metrics.jsonl
     return m
 
@@ -470,8 +459,7 @@ def train(cfg: Config) -> list:
     opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
-    probe = run.eval_set[: cfg.probe_prompts]
-    exact_set = mass.prompt_set(cfg, run.train_set, run.eval_set)  # prompts whose exact Q is logged
+    probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.train_set, run.eval_set)  # Q's
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""

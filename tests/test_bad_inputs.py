@@ -215,7 +215,7 @@ def test_a_crash_between_the_checkpoints_two_renames_then_resume_is_the_uninterr
     rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "3"]))
     assert "no ckpt/ (a crash inside its save); took the whole ckpt.tmp/ as ckpt/" in capsys.readouterr().out
     assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
-    assert sorted(p.name for p in b.iterdir()) == ["ckpt", "config.json", "metrics.jsonl", "metrics.png"]
+    assert sorted(p.name for p in b.iterdir()) == ["ckpt", "config.json", "metrics.jsonl", "metrics.png", "samples.jsonl"]
 
 
 def test_resume_after_a_cut_short_metrics_line_is_the_uninterrupted_run(run, tmp_path, capsys):

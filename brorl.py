@@ -459,7 +459,7 @@ def train(cfg: Config) -> list:
     opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
-    probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.train_set, run.eval_set)  # Q's
+    probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.eval_set)  # Q's
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""

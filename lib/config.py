@@ -209,7 +209,7 @@ PRESETS = {
 # drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
 # The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
-                   "mass_prompts", "init_from", "init_optimizer")
+                   "mass_prompts", "gate_small_n", "gate_large_n", "init_from", "init_optimizer")
 
 
 def check_device(device: str) -> str:

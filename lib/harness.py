@@ -31,6 +31,7 @@ import data
 import verify
 from lib import distributed, mass, planner, report, samples
 from lib.config import fail, held_run, surviving_checkpoint
+from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, load_policy, split_revision, trainable
 
 
@@ -381,7 +382,9 @@ def checkpoint_dir(path: str) -> Path:
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
     if (run / "metrics.jsonl").is_file():  # a run directory (its config.json is brorl's, not a model's)
-        fail(f"--init_from {path}: the run holds no checkpoint (no ckpt/: --save 0, or stopped before its first eval)")
+        left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
+        fail(f"--init_from {path}: the run holds no ckpt/" + (f" (a crash inside its save left {left.name}/: --resume {path} "
+             "takes it back)" if left else " (--save 0, or stopped before its first eval)"))
     if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
         fail(f"--init_from {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
@@ -527,7 +530,7 @@ def start(cfg) -> Run:
     refusal comes before the run directory is touched; config.json is written by Run.restore."""
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
-    if cfg.loss == "gspo" and cfg.loss_agg != "sequence" and distributed.is_main():  # allowed, but said first
+    if cfg.loss == "gspo" and aggregation(cfg.loss, cfg.loss_agg) != "sequence" and distributed.is_main():  # said first
         print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean (--loss_agg sequence, "
               "gspo's default)")
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None  # ckpt/, or what a crash in its save left
@@ -555,7 +558,7 @@ def start(cfg) -> Run:
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
         f"verifier {cfg.verifier}; run dir {out}")
     if cfg.task == "keys":  # the one task whose held-out set is its training set, by design
-        say("task keys: evaluated on its own 512 training prompts by design (Theorem 1 is per prompt; data.py)")
+        say(f"task keys: evaluated on {len(eval_set)} of its own training prompts, by design (Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
@@ -574,7 +577,7 @@ def read_trainer_state(ckpt: Path, cfg) -> dict:
             raise ValueError(f"it lacks {sorted(missing)}")
     except Exception as e:  # a cut-short zip, a pickle error, another file renamed: the message is what matters
         fail(f"--resume {cfg.resume}: {path} is unreadable ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
-    if cfg.steps < step:
+    if cfg.steps <= step:
         fail(f"--steps {cfg.steps} with --resume {cfg.resume}: its checkpoint is at step {step} already "
              f"(--steps counts from the run's start: give more than {step} to continue it)")
     return state
@@ -633,12 +636,12 @@ def eval_only(cfg, evaluate) -> dict:
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
     stop_on_ctrl_c("interrupted: no eval.json written")
-    cfg, device, train_set, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=cfg.mass_prompts > 0)
+    cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
     out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
-        m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, train_set, eval_set), cfg))  # the testbed's zones
+        m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, eval_set), cfg))  # the testbed's zones
     report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set), time.perf_counter() - t0)
     if distributed.is_main():
         write_eval(out / "eval.json", report)

@@ -4,7 +4,7 @@ probability the policy gives its correct answers; the probe (brorl.probe_mass) e
 which cannot see a mass below 1 / probe_samples. Where the right answer is one token sequence (the arith
 and keys tasks: the digits of the gold, then EOS), Q(x) is exact: the product of that sequence's tempered
 token probabilities, teacher-forced, from one forward through the log-prob path the update uses
-(lib/policy.response_logprobs, the log-prob kernel). It is a lower bound on the verifier's accepted mass:
+(lib/policy.py's response_logprobs, the log-prob kernel). It is a lower bound on the verifier's accepted mass:
 the integer rule also takes " 579" or "0579", strings no warm start ever wrote.
 
 Zones, for a policy that samples N rollouts of a prompt (gate_small_n = 16, ProRL's N; gate_large_n = 512,
@@ -16,24 +16,31 @@ between any two evals can be recomputed from metrics.jsonl.
 """
 
 import math
-import random
 
 import torch
 
+import data
+from lib.config import fail
 from lib.policy import response_logprobs
 from sampler import encode_prompt
 
 CANONICAL_TASKS = ("arith", "keys")  # tasks whose right answer is one token sequence
+TRAIN_ROWS = {"keys": data.KEYS_N}  # a training split smaller than --mass_prompts may ask for (arith: ~10^2d)
 
 
-def prompt_set(cfg, train_set, eval_set) -> list:
+def prompt_set(cfg, eval_set) -> list:
     """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts training
-    prompts drawn by --eval_seed (the same for every seed); none for a task without a canonical answer."""
+    prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair prompt by prompt);
+    none unless every one has a canonical answer (the integer rule's tasks: arith, keys)."""
     if cfg.task not in CANONICAL_TASKS:
         return []
-    if cfg.mass_prompts == 0:
-        return eval_set
-    return random.Random(f"mass-{cfg.eval_seed}").sample(train_set, min(cfg.mass_prompts, len(train_set)))
+    try:
+        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(
+            cfg.task, "train", n=min(cfg.mass_prompts, TRAIN_ROWS.get(cfg.task, cfg.mass_prompts)), seed=cfg.eval_seed,
+            digits=cfg.digits)
+    except ValueError as e:  # more than the split holds (arith with few digits)
+        fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
+    return rows if all(x["task"] == "arith" for x in rows) else []  # e.g. --eval_task math:...: no exact Q
 
 
 def ids_batch(prompts: list, responses: list, dev) -> dict:

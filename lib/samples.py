@@ -18,9 +18,11 @@ uninterrupted run's.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from lib import distributed
+from lib.config import fail
 
 RESPONSE_CHARS = 4000  # a longer response keeps its first 1000 and last 3000 characters
 MAX_STEPS = 64  # steps of each kind kept; default run: 5 evaluations
@@ -75,7 +77,18 @@ def group_records(kept, keep, adv, tok, cfg) -> list:
 
 
 def read(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    """The records of samples.jsonl. A last line cut short (a full disk, a kill as it was written) is dropped
+    with a line, as metrics.jsonl's; any other unreadable line stops with one line naming it."""
+    lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    records = []
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                fail(f"{path}: line {i} is not a record ({line[:60]!r})")
+            print(f"{path}: dropped its last line, cut short ({len(line)} characters)", file=sys.stderr)
+    return records
 
 
 def rewrite(path: Path, records: list):

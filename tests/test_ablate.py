@@ -257,12 +257,13 @@ def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
 def test_zone_migration_counts_by_hand():
     lo, hi = -math.log10(512), -math.log10(16)  # the gate: lo <= log10 Q < hi
     start = [-0.5, -1.0, -2.0, -2.5, -2.0, -4.0, -5.0, -6.0]
-    end = [-0.5, -1.5, -1.0, -2.5, -3.0, -4.5, -5.5, -5.0]  # lost 1; gate: 1 lifted, 1 stays, 1 fell; below: -0.5 x2, +1
+    end = [-0.5, -1.5, -1.0, -2.5, -3.0, -4.5, -5.5, -5.0]  # lost 1 (into the gate); gate: 1 lifted, 1 stays, 1 fell; below: -0.5 x2, +1
     first = dict(mass_exact_mean=0.1, mass_exact_log10=start)
     last = dict(mass_exact_mean=0.2, mass_exact_log10=end)
     m = ablate.zone_migration(first, last, 16, 512)
     assert (lo, hi) == pytest.approx((-2.709, -1.204), abs=1e-3)
-    assert m["gate_start"] == 3 and m["gate_lifted"] == 1 and m["gate_left"] == 2 and m["high_lost"] == 1
+    assert m["gate_start"] == 3 and m["gate_lifted"] == 1 and m["high_lost"] == 1
+    assert m["gate_left"] == 2  # in the gate at the end: the one that stayed and the one that fell into it
     assert m["below_dlog10_median"] == pytest.approx(-0.5) and m["exact_q"] == 0.2
     assert ablate.zone_migration({}, last, 16, 512) == {}  # a run without exact Q: no measures
 
@@ -286,3 +287,25 @@ def test_breadth_study_gate_and_plot(tmp_path):
                            "n_rollouts=512,prompts_per_step=4,lr=2e-4": dict(runs={0: run})})
     breadth_study.plot_study({"warm": result, "mid": result}, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 1000
+
+
+def test_a_run_another_process_holds_is_left_alone(tmp_path):
+    """A sweep started twice: the run the other sweep is running (its brorl.py holds <run>/.lock) is not
+    cleared; once that process is gone the run is free again."""
+    import subprocess
+    import sys
+    run = tmp_path / "cfg" / "seed0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(run / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = ablate.launch(["--steps", "1"], run, 1)
+        assert res["code"] != 0 and "another process is running it" in res["error"]
+        assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'  # untouched
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert not ablate.running_elsewhere(run)  # the holder is gone: its file left behind is free

@@ -287,9 +287,11 @@ def test_an_overlapping_eval_task_is_said_when_allowed(capsys):
     assert capsys.readouterr().out == ""
 
 
-def test_resume_takes_one_directory_spelled_two_ways(finished):
-    cfg = brorl.parse_config(["--resume", str(finished), "--out", f"{finished}/./", "--steps", "2"])
-    assert cfg.out == str(finished)
+def test_resume_takes_one_directory_spelled_two_ways(finished, monkeypatch):
+    """--out spelled relative to the working directory, --resume absolute: one run, not two."""
+    monkeypatch.chdir(finished.parent)
+    cfg = brorl.parse_config(["--resume", str(finished), "--out", f"./{finished.name}/", "--steps", "2"])
+    assert Path(cfg.out).resolve() == finished.resolve()
 
 
 def test_ablate_reads_values_before_comparing_and_fails_when_a_run_crashed(capsys):

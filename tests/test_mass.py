@@ -98,12 +98,20 @@ def test_zones_and_metrics():
 
 
 def test_prompt_set():
+    """The eval set, or --mass_prompts training problems drawn by --eval_seed alone (not --seed: runs of every
+    seed pair prompt by prompt); nothing where a prompt has no canonical answer."""
     from types import SimpleNamespace as NS
-    train, evals = [dict(prompt=str(i)) for i in range(100)], [dict(prompt="e")]
-    assert mass.prompt_set(NS(task="arith", mass_prompts=0, eval_seed=0), train, evals) == evals
-    got = mass.prompt_set(NS(task="keys", mass_prompts=10, eval_seed=0), train, evals)
-    assert len(got) == 10 and got == mass.prompt_set(NS(task="keys", mass_prompts=10, eval_seed=0), train, evals)
-    assert mass.prompt_set(NS(task="math:x.jsonl", mass_prompts=0, eval_seed=0), train, evals) == []
+    cfg = lambda **kw: NS(**{**dict(task="arith", mass_prompts=0, eval_seed=0, digits=3), **kw})
+    evals = data.load_task("arith", "test", n=4)
+    assert mass.prompt_set(cfg(), evals) == evals
+    got = mass.prompt_set(cfg(mass_prompts=50), evals)
+    assert len(got) == 50 and all(data.split_of(x["prompt"]) == "train" for x in got)
+    assert got == mass.prompt_set(cfg(mass_prompts=50), evals) != mass.prompt_set(cfg(mass_prompts=50, eval_seed=1), evals)
+    assert len(mass.prompt_set(cfg(task="keys", mass_prompts=2000), evals)) == 512  # all of them
+    assert mass.prompt_set(cfg(task="math:x.jsonl"), evals) == []
+    assert mass.prompt_set(cfg(), [dict(prompt="p", answer="\\frac{1}{2}", task="math")]) == []  # --eval_task math:
+    with pytest.raises(SystemExit):  # more than a 1-digit split holds: one line
+        mass.prompt_set(cfg(mass_prompts=1000, digits=1), evals)
 
 
 def test_keys_task():

@@ -48,6 +48,7 @@ Nothing here needs to change.
 import argparse
 import concurrent.futures
 import dataclasses
+import fcntl
 import itertools
 import json
 import math
@@ -156,8 +157,27 @@ def thread_env(threads: int) -> dict:
     return env
 
 
+def running_elsewhere(run_dir: Path) -> bool:
+    """Whether a live process holds the run's lock (brorl.py's <out>/.lock): a sweep started twice must not
+    clear a run in progress. A shared probe of the flock, let go at once; a lock file left by a dead run is free."""
+    try:
+        fd = os.open(run_dir / ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
-    """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0."""
+    """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0. A run another
+    process is running is left alone (reported, not cleared)."""
+    if running_elsewhere(run_dir):
+        return dict(code=1, seconds=0.0, error=f"another process is running it ({run_dir / '.lock'} is held): left alone")
     for stale in ("metrics.jsonl", "done.json", "config.json"):  # an unfinished earlier attempt starts over
         (run_dir / stale).unlink(missing_ok=True)
     for stale in ("ckpt", "ckpt.old", "ckpt.tmp"):  # (brorl.py refuses a directory that holds a run)
@@ -199,7 +219,7 @@ def sweep(runs: list[dict], jobs: int, threads: int) -> list[dict]:
             r["status"] = "done" if res["code"] == 0 else "crashed"
             msg = f"{r['label']} seed {r['seed']}: {r['status']} in {res['seconds']:.0f} s"
             if res["code"] != 0:
-                r["error"] = f"exit {res['code']}: {tail(r['dir'] / 'log.txt')}"
+                r["error"] = res.get("error") or f"exit {res['code']}: {tail(r['dir'] / 'log.txt')}"
                 msg += f" ({r['error']}; log {r['dir'] / 'log.txt'})"
             print(msg, flush=True)
     return runs
@@ -250,8 +270,9 @@ def run_summary(rows: list[dict], clock: str, gate: tuple = (16, 512)) -> dict:
 def zone_migration(first: dict, last: dict, small_n: int, large_n: int) -> dict:
     """The exact correct mass (lib/mass.py) from a run's first evaluation to its last, per prompt: mean Q,
     the prompts in the gate (1/large_n <= Q < 1/small_n) at the start that ended at Q >= 1/small_n (lifted),
-    those left in it, the prompts at Q >= 1/small_n that fell below it (lost), and the median change of
-    log10 Q of the prompts below the gate at the start (the unsampled-mass damage). {} without exact Q."""
+    the prompts in the gate at the end (whence they came), the prompts at Q >= 1/small_n that fell below it
+    (lost), and the median change of log10 Q of the prompts below the gate at the start (the unsampled-mass
+    damage). {} without exact Q."""
     if "mass_exact_log10" not in first or "mass_exact_log10" not in last:
         return {}
     a, b = first["mass_exact_log10"], last["mass_exact_log10"]  # log10 Q per prompt, start and end
@@ -443,7 +464,7 @@ def mass_markdown(result: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "Exact correct mass (lib/mass.py), first evaluation to last, means over seeds [each seed]: mean Q; "
-                 "prompts in the gate at the start, lifted above it, left in it at the end; prompts above the gate "
+                 "prompts in the gate at the start, lifted above it; prompts in the gate at the end; prompts above the gate "
                  "that fell below it (lost); the median change of log10 Q of the prompts below the gate at the "
                  "start (the unsampled-mass damage); sampling rounds and rollouts per step.", "",
              "| config | Q start | Q end | gate start | lifted | gate left | lost | below: median dlog10 Q | "

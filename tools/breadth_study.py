@@ -36,6 +36,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from tools import ablate
 
 HERE = Path(__file__).resolve().parent.parent
@@ -54,13 +56,20 @@ def base_run(out: Path, steps: int, every: int) -> dict:
         copy = out / "base" / f"ckpt-{stop:04d}"
         if copy.is_dir():
             continue
-        argv = ["--steps", str(stop), *(["--resume", str(run)] if stop > every else [*flags, "--out", str(run)])]
-        print(f"base run to step {stop}: python brorl.py {' '.join(argv)}", flush=True)
-        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], env=ablate.thread_env(1),
-                              stdout=subprocess.DEVNULL).returncode
-        if code != 0:
-            sys.exit(f"error: the base run failed at its segment to step {stop} (exit {code})")
-        shutil.copytree(run / "ckpt", copy)
+        ckpt = run / "ckpt" / "trainer_state.pt"
+        at = torch.load(ckpt, map_location="cpu", weights_only=True)["step"] if ckpt.is_file() else 0
+        if at < stop:  # else killed between its segment and the copy
+            if not at:  # a first segment killed before its checkpoint: start it over
+                shutil.rmtree(run, ignore_errors=True)
+            argv = ["--steps", str(stop), *(["--resume", str(run)] if at else [*flags, "--out", str(run)])]
+            print(f"base run to step {stop}: python brorl.py {' '.join(argv)}", flush=True)
+            code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], env=ablate.thread_env(1),
+                                  stdout=subprocess.DEVNULL).returncode
+            if code != 0:
+                sys.exit(f"error: the base run failed at its segment to step {stop} (exit {code})")
+        shutil.rmtree(copy.with_suffix(".tmp"), ignore_errors=True)
+        shutil.copytree(run / "ckpt", copy.with_suffix(".tmp"))  # whole, then named: a killed copy is redone
+        copy.with_suffix(".tmp").rename(copy)
     rows = ablate.read_rows(run)
     return {r["step"]: r["mass_exact_log10"] for r in rows if "mass_exact_log10" in r and r["step"] % every == 0}
 

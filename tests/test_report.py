@@ -39,6 +39,26 @@ class Killed(Exception):
 # samples.jsonl
 
 
+def test_a_cut_short_last_samples_line_is_dropped_on_resume(tmp_path, capsys):
+    """A full disk or a kill while samples.jsonl was written leaves half a line: --resume drops it with a line
+    and ends with the uninterrupted run's file; a bad line before the last stops with one line naming it."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--eval_every", "1", *FAST]
+    train("--steps", "3", "--out", a, *common)
+    train("--steps", "2", "--out", b, *common)
+    with open(b / "samples.jsonl", "a") as f:
+        f.write('{"step": 3, "kind": "ev')  # cut short
+    capsys.readouterr()
+    train("--resume", b, "--steps", "3")
+    assert "samples.jsonl: dropped its last line, cut short (23 characters)" in capsys.readouterr().err
+    assert lines(b / "samples.jsonl") == lines(a / "samples.jsonl")
+    text = (b / "samples.jsonl").read_text()
+    (b / "samples.jsonl").write_text("not json\n" + text)
+    with pytest.raises(SystemExit):
+        samples.read(b / "samples.jsonl")
+    assert "samples.jsonl: line 1 is not a record" in capsys.readouterr().err
+
+
 def test_samples_are_the_evaluations_own_responses_and_change_no_figure(tmp_path):
     """Each eval's first responses to the first held-out prompts, scored as the evaluation scored them; with
     --sample_groups the trained responses and their advantages. Recording them draws nothing: the figures

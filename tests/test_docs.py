@@ -427,7 +427,7 @@ def test_readme_commands_parse_and_name_each_objective():
               "LoRA": lambda c: c.lora_rank > 0 and c.lr == 10 * default.lr}
     assert [name for name, ok in wanted.items() if not any(ok(c) for c in cfgs)] == []
     paper = {**dataclasses.asdict(default), **config.PRESETS["paper"]}
-    evals = [c for c in cfgs if c.eval_only]
+    evals = [c for c in cfgs if c.eval_only and c.task.startswith("math:")]  # (arith's: a testbed measured)
     assert evals and all((c.eval_max_new_tokens or c.max_new_tokens) == paper["eval_max_new_tokens"]
                          and c.eval_samples == paper["eval_samples"] for c in evals)
 

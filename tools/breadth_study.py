@@ -20,9 +20,9 @@ rollouts per step), the per-seed paired t and sign tests, the per-prompt test (s
 run's per-prompt log10 Q at start and end. Rerunning the command skips what is done (a killed run
 restarts). <out>/study.png: log10 Q before and after per arm, the gate shaded.
 
-CPU: about 2.5 CPU hours with the defaults (5 seeds; measured on a 2-core x86_64: the base run ~4 min,
-each warm-start run ~3 min with its evaluations, each branch ~1.5 min); --jobs 2 halves the wall time
-on a machine with 2 free cores.
+CPU: about 1.5 CPU hours with the defaults (5 seeds): 4,250 CPU s of training by the budgets (the base run
+202, each warm-start run 150, each branch 60), plus ~20 CPU s of start-up and evaluations a run (measured on a
+2-core x86_64 with torch 2.13); --jobs 2 halves the wall time on a machine with 2 free cores.
 
   python -m tools.breadth_study --out runs/breadth
   python -m tools.breadth_study --out runs/breadth --only warm --seeds 0 1   # one sweep, fewer seeds

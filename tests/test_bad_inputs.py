@@ -146,7 +146,7 @@ ON_A_RUN = [
     (lambda run: shutil.rmtree(run / "ckpt"), ["--resume", "{run}", "--steps", "3"], "no checkpoint to resume"),
     (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n{"ste\n{"step": 1}\n'), ["--resume", "{run}", "--steps", "3"],
      "metrics.jsonl line 2 is not a metrics row"),
-    (lambda run: shutil.rmtree(run / "ckpt"), ["--init_from", "{run}", "--out", "{run}-branch"], "the run holds no checkpoint"),
+    (lambda run: shutil.rmtree(run / "ckpt"), ["--init_from", "{run}", "--out", "{run}-branch"], "the run holds no ckpt/"),
 ]
 
 

@@ -25,7 +25,6 @@ from lib.policy import response_logprobs
 from sampler import encode_prompt
 
 CANONICAL_TASKS = ("arith", "keys")  # tasks whose right answer is one token sequence
-TRAIN_ROWS = {"keys": data.KEYS_N}  # a training split smaller than --mass_prompts may ask for (arith: ~10^2d)
 
 
 def prompt_set(cfg, eval_set) -> list:
@@ -35,10 +34,9 @@ def prompt_set(cfg, eval_set) -> list:
     if cfg.task not in CANONICAL_TASKS:
         return []
     try:
-        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(
-            cfg.task, "train", n=min(cfg.mass_prompts, TRAIN_ROWS.get(cfg.task, cfg.mass_prompts)), seed=cfg.eval_seed,
-            digits=cfg.digits)
-    except ValueError as e:  # more than the split holds (arith with few digits)
+        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(  # (keys: all 512 at most)
+            cfg.task, "train", n=cfg.mass_prompts, seed=cfg.eval_seed, digits=cfg.digits)
+    except ValueError as e:  # more than an arith split holds (few digits)
         fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
     return rows if all(x["task"] == "arith" for x in rows) else []  # e.g. --eval_task math:...: no exact Q
 

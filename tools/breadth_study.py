@@ -58,6 +58,8 @@ def base_run(out: Path, steps: int, every: int) -> dict:
             continue
         ckpt = run / "ckpt" / "trainer_state.pt"
         at = torch.load(ckpt, map_location="cpu", weights_only=True)["step"] if ckpt.is_file() else 0
+        if at > stop:  # a copy removed by hand: the run has moved past it
+            sys.exit(f"error: {copy} is missing and the base run is at step {at}: delete {run.parent} to redo it")
         if at < stop:  # else killed between its segment and the copy
             if not at:  # a first segment killed before its checkpoint: start it over
                 shutil.rmtree(run, ignore_errors=True)

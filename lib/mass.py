@@ -74,10 +74,17 @@ def exact_log_mass(model, tok, examples, temperature: float, system_prompt: str 
     return sequence_log_mass(model, prompts, answers, temperature)
 
 
+def zone(log10_q: float, small_n: int, large_n: int) -> str:
+    """A prompt's zone from its log10 Q (as metrics.jsonl keeps it): "high" (Q >= 1/small_n), "gate"
+    (1/large_n <= Q < 1/small_n) or "low" (Q < 1/large_n). The one definition: the eval's counts, the
+    sweeps' zone migration (tools/ablate.py) and the study's branch point (tools/breadth_study.py)."""
+    return "high" if log10_q >= -math.log10(small_n) else "gate" if log10_q >= -math.log10(large_n) else "low"
+
+
 def zone_counts(log_q: torch.Tensor, small_n: int, large_n: int) -> dict:
-    """Prompts per zone: Q >= 1/small_n (high), 1/large_n <= Q < 1/small_n (gate), Q < 1/large_n (low)."""
-    high, low = log_q >= -math.log(small_n), log_q < -math.log(large_n)  # (P,) each
-    return dict(high=int(high.sum()), gate=int((~high & ~low).sum()), low=int(low.sum()))
+    """Prompts per zone, from log Q (P,) (natural log, as exact_log_mass gives it)."""
+    zones = [zone(x, small_n, large_n) for x in (log_q / math.log(10)).tolist()]
+    return {z: zones.count(z) for z in ("high", "gate", "low")}
 
 
 def exact_mass(model, tok, examples, cfg) -> dict:

@@ -62,6 +62,7 @@ from pathlib import Path
 
 import brorl
 from lib import config as config_lib
+from lib import mass
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
@@ -276,12 +277,12 @@ def zone_migration(first: dict, last: dict, small_n: int, large_n: int) -> dict:
     if "mass_exact_log10" not in first or "mass_exact_log10" not in last:
         return {}
     a, b = first["mass_exact_log10"], last["mass_exact_log10"]  # log10 Q per prompt, start and end
-    hi, lo = -math.log10(small_n), -math.log10(large_n)
-    gate = [i for i, x in enumerate(a) if lo <= x < hi]
-    below = [i for i, x in enumerate(a) if x < lo]
+    za, zb = ([mass.zone(x, small_n, large_n) for x in q] for q in (a, b))  # each prompt's zone, start and end
+    gate = [i for i, z in enumerate(za) if z == "gate"]
+    below = [i for i, z in enumerate(za) if z == "low"]
     return {"exact_q_start": first["mass_exact_mean"], "exact_q": last["mass_exact_mean"],
-            "gate_start": len(gate), "gate_lifted": sum(b[i] >= hi for i in gate),
-            "gate_left": sum(lo <= x < hi for x in b), "high_lost": sum(x >= hi and y < hi for x, y in zip(a, b)),
+            "gate_start": len(gate), "gate_lifted": sum(zb[i] == "high" for i in gate),
+            "gate_left": zb.count("gate"), "high_lost": sum(x == "high" != y for x, y in zip(za, zb)),
             "below_dlog10_median": statistics.median(b[i] - a[i] for i in below) if below else 0.0,
             "log10_q_start": a, "log10_q_end": b}
 

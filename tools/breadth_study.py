@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from lib import mass
 from tools import ablate
 
 HERE = Path(__file__).resolve().parent.parent
@@ -85,7 +86,7 @@ def sweep(name: str, out: Path, budget: float, seeds: list, jobs: int, init_from
 
 
 def gate_count(log10_q: list, small_n=16, large_n=512) -> int:
-    return sum(-math.log10(large_n) <= x < -math.log10(small_n) for x in log10_q)
+    return sum(mass.zone(x, small_n, large_n) == "gate" for x in log10_q)
 
 
 def main(argv=None):

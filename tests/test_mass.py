@@ -95,6 +95,9 @@ def test_exact_mass_matches_the_sampled_rate(arith):
 def test_zones_and_metrics():
     log_q = torch.tensor([0.0, -math.log(16), -math.log(16) - 1e-9, -math.log(512), -math.log(512) - 1e-9, -50.0], dtype=torch.float64)
     assert mass.zone_counts(log_q, 16, 512) == dict(high=2, gate=2, low=2)  # 1/16 is high, 1/512 is gate
+    below = lambda x: math.nextafter(x, -math.inf)
+    assert [mass.zone(x, 16, 512) for x in (-math.log10(16), below(-math.log10(16)), -math.log10(512),
+                                            below(-math.log10(512)))] == ["high", "gate", "gate", "low"]  # exact bounds
 
 
 def test_prompt_set():

@@ -35,6 +35,17 @@ class Killed(Exception):
     pass
 
 
+def kill_at_checkpoint(monkeypatch, at: int):
+    """The run dies at step `at`'s checkpoint: that step's rows and records written, its checkpoint not."""
+    checkpoint = harness.Run.checkpoint
+
+    def killed(self, step, *args):
+        if step == at:
+            raise Killed
+        checkpoint(self, step, *args)
+    monkeypatch.setattr(harness.Run, "checkpoint", killed)
+
+
 # ----------------------------------------------------------------------------
 # samples.jsonl
 
@@ -124,13 +135,7 @@ def test_samples_survive_a_kill_and_resume(tmp_path, monkeypatch, uninterrupted,
     run = tmp_path / "run"
     monkeypatch.setattr(samples, "MAX_STEPS", 2)
     if kill == "before_checkpoint":
-        checkpoint = harness.Run.checkpoint
-
-        def killed(self, step, *args):
-            if step == 2:
-                raise Killed
-            checkpoint(self, step, *args)
-        monkeypatch.setattr(harness.Run, "checkpoint", killed)
+        kill_at_checkpoint(monkeypatch, 2)
     else:
         thin, calls = samples.thin, []
 
@@ -172,13 +177,7 @@ def test_tensorboard_scalars_read_back_equal_metrics_jsonl(tmp_path, monkeypatch
     from tensorboard.backend.event_processing import plugin_event_accumulator as event_accumulator
     from tensorboard.util import tensor_util
     out = tmp_path / "run"
-    checkpoint = harness.Run.checkpoint
-
-    def killed(self, step, *args):
-        if step == 3:
-            raise Killed
-        checkpoint(self, step, *args)
-    monkeypatch.setattr(harness.Run, "checkpoint", killed)
+    kill_at_checkpoint(monkeypatch, 3)
     with pytest.raises(Killed):
         train("--steps", "3", "--eval_every", "2", "--report_to", "tensorboard", "--sample_groups", "1", "--out", out, *FAST)
     monkeypatch.undo()

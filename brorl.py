@@ -14,8 +14,10 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping (or the
-                 alternatives of lib/objectives.py). Every log-prob goes through the one log-prob
-                 kernel (kernels.linear_logprobs: from hidden states, the logits never whole).
+                 alternatives of lib/objectives.py). Every log-prob comes from kernels.py: the
+                 update's by kernels.linear_logprobs (from hidden states, the logits never whole;
+                 a head that is not a plain linear layer: kernels.token_logprobs on its logits),
+                 the sampler's by kernels.token_logprobs on each decoded position's logits.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the correct
                  mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled on a probe set and exact
                  where the answer is one token sequence (lib/mass.py); one log line per step, metrics.jsonl and
@@ -38,7 +40,7 @@ Run:
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
 embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner, processes);
-tools/ the programs run beside training. The paper, restated: docs/paper.md. Every figure: NOTES.md.
+tools/ the programs run beside training. The paper, restated: docs/paper.md. Every figure: docs/results/.
 """
 
 import math
@@ -50,7 +52,7 @@ import torch
 
 import data
 import verify
-from lib import config, distributed, harness, mass, samples
+from lib import answers, balance, config, distributed, harness, mass, samples
 from lib.config import fail
 from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
 from lib.policy import autocast, clip_gradients, make_reference, old_logprobs, pack_groups, response_logprobs, trainable
@@ -79,9 +81,10 @@ class Config:
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
+    long_prompts: str = "refuse"  # prompt + max_new_tokens over the model's positions: refuse, drop
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
-    max_rounds: int = 8  # cap on sampling rounds per step; fewer than B groups are used if hit
+    max_rounds: int = 8  # rounds a step, at most (then < B groups); each draws distinct prompts anew
     # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards vary most
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
     # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's response tokens
@@ -130,6 +133,10 @@ class Config:
     mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the eval set; n > 0 n train prompts
     gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is the gate; below, low
     gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
+    # sets task: every answer's exact probability (lib/answers.py) of the first n eval prompts at
+    # every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread)
+    answer_prompts: int = 0  # n prompts; 0: off
+    mass_balance: bool = False  # sets task, one process: Theorem 1's terms per trained group (lib/balance.py)
     sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl (lib/samples.py)
     sample_responses: int = 4  # responses kept per prompt: the eval's first, and with --sample_groups the trained ones'
     sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their advantages
@@ -193,6 +200,7 @@ class Group:
     lengths: torch.Tensor  # (N,) valid tokens per response
     rollouts: Rollouts = None
     index: int = None
+    example: dict = None  # its prompt (the mass balance's)
 
 
 def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
@@ -205,6 +213,7 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
         # at most 4B a round; without dynamic sampling every group is kept: exactly the B needed
         rate = stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"] else keep_est
         want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling else B - len(kept)
+        want = min(want, len(train_set))  # a round's prompts are distinct: at most the whole set
         batch = rng.sample(train_set, want)  # the same prompts on every rank
         seeds = round_seeds(cfg.seed, step, stats["rounds"], want)
         ro, mine, r, lengths, _ = sample_share(model, tok, batch, N, cfg.temperature, cfg.top_p, cfg, seeds)  # (want, N)
@@ -214,7 +223,8 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
         stats["rewards"].append(r)
         for g in range(want):
             if not cfg.dynamic_sampling or r[g].min() != r[g].max():
-                kept.append(Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ())))
+                kept.append(Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
+                                  example=batch[g]))
         stats["groups_survived"] = len(kept)
     kept = kept[:B]  # DAPO keeps exactly B; extra survivors of the last round are dropped
     stats["groups_kept"] = len(kept)
@@ -365,9 +375,11 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 # One step
 
 
-def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est) -> dict:
+def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
+            answer_set=()) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
-    replica: the policy's full weights, for the rollouts (the policy itself when K = 1)."""
+    replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
+    answer_set: with --mass_balance, the prompts whose Q is followed when not trained."""
     replica.eval()
     t0 = time.perf_counter()
     with autocast(cfg, replica.device):  # no weight changes while sampling: the region's cache is valid
@@ -386,9 +398,17 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
                                        for j, k in enumerate(kept)])
         my_groups = [j for j, x in enumerate(groups) if x is not None]
         batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
+        if cfg.mass_balance:  # instrumented: the answer distributions before the update (lib/balance.py)
+            trained, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
+            others = [x for x in answer_set if x["prompt"] not in trained]
+            snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept], others, space)
+            before = snapshot()
         model.train()
         upd = update_policy(model, ref_model, opt, batch, adv[my_groups].flatten().to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
+        if cfg.mass_balance:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
+            replica.eval()
+            upd.update(balance.records(before, snapshot(), kept, keep, space))
         upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
         upd["train_responses"] = samples.group_records(kept, keep, adv, tok, cfg)  # to samples.jsonl, not metrics
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
@@ -460,6 +480,9 @@ def train(cfg: Config) -> list:
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
     probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.eval_set)  # Q's
+    # the whole answer distribution (sets): its prompts, their right answers, the first eval's
+    answer_set, space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
+    right, first = answers.right_mask(answer_set, space), answers.load_first(run.out)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""
@@ -469,6 +492,14 @@ def train(cfg: Config) -> list:
             m = evaluate(replica, tok, run.eval_set, cfg, gen)
             q, mq = probe_mass(replica, tok, probe, cfg, gen, start=q_start)
             mq.update(mass.exact_mass(replica, tok, exact_set, cfg))  # exact Q, zones (lib/mass.py)
+            if answer_set:  # every answer's probability, Figure 3's measures (lib/answers.py)
+                nonlocal first
+                logp = answers.distribution(replica, tok, answer_set, space, cfg.temperature,
+                                            cfg.system_prompt)  # (P, A)
+                first = logp if first is None else first
+                mq.update(answers.eval_metrics(logp, right, first))
+                if distributed.is_main():
+                    answers.save(run.out, step, logp)
         return {**m, **mq}, q
 
     if start == 0:
@@ -478,7 +509,7 @@ def train(cfg: Config) -> list:
         with run.clock:  # training time: evaluations and checkpoints excluded
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg, run.train_set, rng, step,
-                                             gen_cpu, keep_est)}
+                                             gen_cpu, keep_est, answer_set)}
             except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
                 fail(f"step {step}: {e}")
             keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]  # dynamic sampling's expected keep rate

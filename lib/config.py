@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -129,6 +130,10 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     if preset and preset not in presets:
         parser.error(f"--preset {preset!r}: unknown (choose from {sorted(presets)})")
     base = presets.get(preset, {})
+    out = Path(overrides.get("out", ""))
+    if overrides.get("out") and out.is_symlink() and not out.exists():  # mkdir: "File exists"
+        parser.error(f"--out {out}: a symlink to {os.readlink(out)}, which does not exist "
+                     "(make its target, or give another --out)")
     if overrides.get("resume"):
         base = resumed_config(parser, config_cls, overrides, preset)
         overrides["out"] = overrides["resume"]
@@ -152,25 +157,94 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
         parser.error("--init_from starts a new run from a checkpoint; --resume continues one: not both")
     if not (run / "config.json").is_file():
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
-    if surviving_checkpoint(run) is None:
-        parser.error(f"--resume {run}: no checkpoint to resume ({run / 'ckpt' / 'trainer_state.pt'} is missing)")
+    if surviving_checkpoint(run) is None and (step := evaluated_step(run)):  # it was deleted
+        parser.error(f"--resume {run}: no checkpoint to resume ({run / 'ckpt' / 'trainer_state.pt'}"
+                     f" is missing, though step {step} was evaluated); start over in another --out")
     if Path(overrides.get("out", run)).resolve() != run.resolve():  # one directory may be spelled two ways
         parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
     if preset:
         parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
     base = read_json(run / "config.json", f"--resume {run}")
+    notes = []  # said once every check has passed: the run's first lines
+    if surviving_checkpoint(run) is None:  # stopped before its first checkpoint: nothing is lost
+        notes.append(f"--resume {run}: no checkpoint yet (stopped before its first, or --steps 0); "
+                     "starting it over from step 0 with its config.json")
     if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
         parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
     kinds = {f.name: (int, float) if f.type is float else f.type for f in dataclasses.fields(config_cls)}
     if bad := [k for k, v in base.items() if not isinstance(v, kinds[k]) or (kinds[k] is int and isinstance(v, bool))]:
         parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a "
                      f"{'number' if kinds[bad[0]] == (int, float) else kinds[bad[0]].__name__}")
-    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}  # a field newer than the run's
+    defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
+    base.update(missing_fields(parser, run, base, overrides, defaults, notes))
+    changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]
+    if changed:  # each flag that changes the run: said first, recorded by harness.record_changes
+        notes.append(f"--resume {run}: " + ", ".join(f"--{k} {base[k]!r} -> {overrides[k]!r}"
+                                                    for k in changed)
+                     + " from its checkpoint on (recorded in config_history.jsonl)")
     for name in FIXED_ON_RESUME:
-        if name in overrides and overrides[name] != base.get(name, defaults[name]):
+        if name in overrides and overrides[name] != base[name]:
             parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
-                         f"({base.get(name, defaults[name])!r}); start a new run from it with --init_from")
+                         f"({base[name]!r}); start a new run from it with --init_from")
+    for line in notes if distributed.is_main() else ():
+        print(line)
     return base
+
+
+def evaluated_step(run: Path) -> int:
+    """The last step after 0 that a run's metrics.jsonl shows evaluated (a checkpoint was due then),
+    or 0: a run stopped before its first checkpoint, which --resume starts over from step 0."""
+    try:
+        lines = (run / "metrics.jsonl").read_text(errors="replace").splitlines()
+    except OSError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short: read_metrics judges it later
+            continue
+        if isinstance(row, dict) and "eval_pass@1" in row and isinstance(row.get("step"), int):
+            steps.append(row["step"])
+    return max(steps)
+
+
+# Fields added to Config after --resume was, each with the value that reproduces the code before it
+# (... : its default; a function: of the run's own config): a run written before one lacks it and
+# resumes as it ran, said and recorded. None: no value reproduces the old code (dual-clip has no
+# "off"), so the missing field is named, as any other is (a config.json edited by hand).
+ADDED_FIELDS = {
+    "eval_task": ..., "eval_overlap": ..., "system_prompt": ..., "eval_max_new_tokens": ...,
+    "eval_only": ..., "train_rollouts": ..., "lora_rank": ..., "lora_alpha": ...,
+    "lora_targets": ...,
+    "grad_ckpt": ..., "memory_gb": ..., "plan": ..., "loss": ..., "gspo_clip_low": ...,
+    "gspo_clip_high": ..., "clip_ratio_c": None, "tis_cap": 0.0, "verifier": "rules",
+    "time_budget": ..., "budget_clock": ..., "mass_prompts": ..., "gate_small_n": ...,
+    "gate_large_n": ..., "sample_prompts": 0, "sample_responses": ..., "sample_groups": ...,
+    "report_to": ..., "init_from": ..., "init_optimizer": ..., "long_prompts": ...,
+    "resume": ..., "out": ..., "preset": ...,
+    "probe_samples": lambda run: run.get("n_rollouts"),  # the probe drew N rollouts a prompt
+    "eval_seed": lambda run: run.get("seed"),  # --seed drew the held-out problems
+}
+
+
+def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dict, notes) -> dict:
+    """Values for the fields a run's config.json lacks: given on the command line, or (a field newer
+    than the code that wrote the run) the value that reproduces that code, noted; any other missing
+    field stops with one line naming it: today's default would change the run in silence."""
+    missing = [k for k in defaults if k not in base]
+    if lost := [k for k in missing if k not in overrides and ADDED_FIELDS.get(k) is None]:
+        parser.error(f"--resume {run}: its config.json lacks {', '.join(lost)} (edited, or older "
+                     f"than the field): give the run's value, e.g. --{lost[0]} <value>")
+    values = {}
+    for k in missing:
+        old = ADDED_FIELDS.get(k)
+        values[k] = overrides[k] if k in overrides else defaults[k] if old is ... else \
+            old(base) if callable(old) else old
+    if said := [k for k in missing if k not in ("resume", "out", "preset")]:
+        notes.append(f"--resume {run}: its config.json lacks " + ", ".join(
+            f"--{k} (taken as {values[k]!r})" for k in said) + "; recorded in config_history.jsonl")
+    return values
 
 
 # Presets are named bundles of overrides, never a second source of defaults.
@@ -180,6 +254,10 @@ PRESETS = {
     # the keys task (data.py): 512 prompts, each its own right value whose mass the warm start spread over
     # decades; train = eval, every prompt scored and its exact Q logged (tools/breadth_study.py)
     "keys": dict(model=str(data.EMBEDDED_MODEL_KEYS), task="keys", eval_prompts=512, eval_samples=16),
+    # the sets task (data.py): 256 prompts, each with 16 right values among the 900 of 100..999, each
+    # rare; train = eval; the whole answer distribution of 64 of them exact at every eval
+    "sets": dict(model=str(data.EMBEDDED_MODEL_SETS), task="sets", eval_prompts=256, eval_samples=16,
+                 answer_prompts=64, max_new_tokens=4),
     # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch to
     # fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting points.
     # A 0.5B instruct model on grade-school math
@@ -209,7 +287,8 @@ PRESETS = {
 # drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
 # The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
-                   "mass_prompts", "gate_small_n", "gate_large_n", "init_from", "init_optimizer")
+                   "mass_prompts", "gate_small_n", "gate_large_n", "init_from", "init_optimizer",
+                   "long_prompts")
 
 
 def check_device(device: str) -> str:
@@ -237,6 +316,11 @@ def check_config(cfg) -> str:
                   if f.type is float and not math.isfinite(getattr(cfg, f.name))]  # inf passes a range below
     checks = [
         (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
+        # torch.manual_seed takes 64 bits; a larger seed would overflow inside it, after the checks
+        (max(abs(cfg.seed), abs(cfg.eval_seed)) < 2**63,
+         f"--seed {cfg.seed}, --eval_seed {cfg.eval_seed}: need |seed| < 2**63"),
+        (cfg.long_prompts in ("refuse", "drop"),
+         f"--long_prompts {cfg.long_prompts!r}: choose refuse or drop"),
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
         (cfg.grad_clip > 0, f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the gradient, 0 zeroes it)"),
@@ -283,6 +367,12 @@ def check_config(cfg) -> str:
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
         (cfg.mass_prompts >= 0, f"--mass_prompts {cfg.mass_prompts}: need >= 0 (0: the eval set)"),
+        (cfg.answer_prompts >= 0, f"--answer_prompts {cfg.answer_prompts}: need >= 0 (0: off)"),
+        (cfg.answer_prompts == 0 or cfg.task == "sets",
+         f"--answer_prompts {cfg.answer_prompts}: the whole answer distribution needs --task sets "
+         "(an answer space small enough to enumerate)"),
+        (not cfg.mass_balance or (cfg.task == "sets" and distributed.world_size() == 1),
+         "--mass_balance: needs --task sets and one process (not torchrun)"),
         (1 <= cfg.gate_small_n < cfg.gate_large_n, f"--gate_small_n {cfg.gate_small_n}, --gate_large_n "
          f"{cfg.gate_large_n}: need 1 <= small < large (the gate is 1/large <= Q < 1/small)"),
         (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),

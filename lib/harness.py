@@ -142,6 +142,26 @@ def write_atomic(path: Path, text: str):
     os.replace(tmp, path)
 
 
+def record_changes(out: Path, step: int, cfg):
+    """A resumed run's config against the one it ran with (its config.json, which this segment's then
+    replaces): each field changed, or absent before (a field newer than the run), appended as one line
+    of <out>/config_history.jsonl, {"step": the checkpoint's step, "was": ..., "now": ..., "absent":
+    [...]}: the directory keeps what ran when. Nothing changed: nothing written."""
+    try:
+        before = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):  # (parse_config read it whole; a file gone since: all is new)
+        before = {}
+    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "out")}
+    changed = [k for k, v in now.items() if k not in before or before[k] != v]
+    if not changed:
+        return
+    entry = dict(step=step, was={k: before[k] for k in changed if k in before},
+                 now={k: now[k] for k in changed}, absent=[k for k in changed if k not in before])
+    with no_space_is_one_line(out, "config_history.jsonl was not written; nothing else changed"):
+        with open(out / "config_history.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
 def open_metrics(out: Path, rows: list):
     """metrics.jsonl holding exactly `rows` (a resumed run's rows, whole or not at all), open to append."""
     write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
@@ -176,6 +196,12 @@ def metrics_row(line: str):
     return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
 
 
+def is_io_error(e: Exception) -> bool:
+    """A failure to write a file, however it surfaces: an OSError (permission, read-only, a full disk,
+    a name in the way), or the message of a writer that wraps one (safetensors' "IoError")."""
+    return isinstance(e, OSError) or is_disk_full(e) or "IoError" in str(e)
+
+
 def is_disk_full(e: Exception) -> bool:
     """The ways a full disk surfaces: ENOSPC, torch's zip writer ("unexpected pos", "file write failed"),
     safetensors' ("StorageFull")."""
@@ -202,14 +228,17 @@ def log_line(m: dict) -> str:
             f"|r-1| {m.get('max_ratio_dev', 0):.1e} drift {m.get('drift_max', 0):.1e} | len {m['resp_len']:.1f} | "
             f"{m['tokens_per_s']:.0f} tok/s | roll {m['time_rollout']:.2f}s upd {m['time_update']:.2f}s")
     if "eval_pass@1" in m:
-        line += f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f} Q {m['mass_mean']:.3f}"
+        line += (f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f}"
+                 f" probe Q {m['mass_mean']:.3f}")  # sampled: the probe's share of right rollouts
+        if "mass_exact_mean" in m:  # computed: the right answer's probability (lib/mass.py)
+            line += f" exact Q {m['mass_exact_mean']:.3f}"
     return line
 
 
 PLOTS = [("reward_mean", "train reward"), ("eval_pass@1", "held-out pass@1 (T=0.6)"),
          ("eval_pass@k", "held-out pass@k (k = eval samples)"), ("keep_rate", "dynamic-sampling keep rate"),
          ("entropy", "token entropy"), ("resp_len", "response length"),
-         ("mass_mean", "probe correct mass Q"), ("kl", "k2 KL to reference (0 if off)"),
+         ("mass_mean", "probe Q (sampled correct mass)"), ("kl", "k2 KL to reference (0 if off)"),
          ("mass_exact_zones", "exact Q: prompts per zone (lib/mass.py)")]
 ZONES = [("mass_exact_high", "Q >= 1/small N"), ("mass_exact_gate", "gate"), ("mass_exact_low", "Q < 1/large N")]
 
@@ -242,23 +271,44 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     last) and ckpt.old or ckpt/ (config.surviving_checkpoint); a full disk leaves the previous checkpoint
     as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    not_written = f"the checkpoint of step {state['step']} was not written"
+    kept = f"{path.name}/ keeps the last one (--resume continues from it)"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with no_space_is_one_line(path.parent, f"the checkpoint of step {state['step']} was not written; "
-                                  f"{path.name}/ keeps the last one (--resume continues from it)"):
+        with no_space_is_one_line(path.parent, f"{not_written}; {kept}"):
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
             torch.save(state, tmp / "trainer_state.part")  # last, and renamed: its name marks the temp dir whole
             os.replace(tmp / "trainer_state.part", tmp / "trainer_state.pt")
-    except BaseException:  # a full disk (one line), Ctrl-C, any error: no half-written temp left behind
+    except BaseException as e:  # a full disk (one line), Ctrl-C, any error: no half-written temp left behind
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and is_io_error(e):  # permission, read-only: one line, as ENOSPC
+            fail(f"cannot write in {path.parent} ({one_line_reason(e)}): {not_written}; {kept}")
         raise
     shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
+    try:  # the swap: ckpt -> ckpt.old, ckpt.tmp -> ckpt
+        if path.exists():
+            os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if old.exists() and not path.exists():
+                os.replace(old, path)  # the previous one back in place
+            raise
+    except OSError as e:  # e.g. ckpt/ immutable, a name in the way: the previous checkpoint stays
+        if path.exists():  # (else the rollback failed too: the whole tmp and old are what is left)
+            shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"cannot swap the new checkpoint in ({one_line_reason(e)}): {not_written}; "
+             + (kept if path.exists() else f"--resume {path.parent} continues from what is left"))
     shutil.rmtree(old, ignore_errors=True)
+
+
+def one_line_reason(e: Exception) -> str:
+    """An error's reason, short: its strerror and the file it names, else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    return (str(e).splitlines() or [type(e).__name__])[0][:160]
 
 
 # ----------------------------------------------------------------------------
@@ -354,19 +404,75 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))  # the run records the verifier it used
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
+    if train_set is not None:
+        check_train_size(cfg, train_set)
     # the held-out problems are drawn by --eval_seed alone (as --seed drew them before it: a seed-0 run's are
     # unchanged), so that runs of different seeds are scored on the same problems, paired problem by problem
     held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
     if cfg.eval_task and train_set:
         check_overlap(cfg, train_set, held_out)
-    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
+    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/ or one line
+        checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    eval_new = max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # the eval's and the probe's
+    eval_flag, eval_source = ("--eval_task", cfg.eval_task) if cfg.eval_task else ("--task", cfg.task)
+    held_out, longest = fit_context(cfg, held_out, eval_flag, eval_source, eval_new, tok, positions)
+    if train_set is not None:
+        train_set, longest_train = fit_context(cfg, train_set, "--task", cfg.task, cfg.max_new_tokens,
+                                               tok, positions)
+        check_train_size(cfg, train_set)
+        longest = max(longest, longest_train)
+    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
+    if cfg.probe_prompts > len(eval_set):  # the probe is the eval set's first prompts: said, recorded
+        if distributed.is_main():
+            tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "
+                       f"prompt(s); the probe is those {len(eval_set)} (config.json says so)")
+        cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
     if bad := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     if cfg.system_prompt and not tok.chat_template:
         fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
-    return cfg, device, train_set, eval_set, model, tok
+    return cfg, device, train_set, eval_set, model, tok, longest
+
+
+def check_train_size(cfg, train_set: list):
+    """A step keeps B groups of B distinct prompts: a training set smaller than B stops with one line
+    (a larger one is drawn from whole, prompts recurring only across rounds: sample_step_groups)."""
+    if len(train_set) < cfg.prompts_per_step:
+        fail(f"--task {cfg.task}: its training set holds {len(train_set)} prompt(s), fewer than "
+             f"--prompts_per_step {cfg.prompts_per_step} (a step trains on B distinct prompts)")
+
+
+def fit_context(cfg, rows: list, flag: str, source: str, max_new: int, tok, positions) -> tuple:
+    """(rows, the longest prompt's tokens): every prompt checked, with max_new new tokens, against the
+    model's context (`positions`, its max_position_embeddings; None: unknown, nothing checked). A
+    prompt past it stops with one line naming its row and length, or with --long_prompts drop is
+    dropped, with a count. The tokenizer's own warning about length is left unsaid: this is the word."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        lengths = planner.prompt_lengths(tok, rows, cfg.system_prompt)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    too_long = [i for i, n in enumerate(lengths) if positions and n + max_new > positions]
+    if too_long and cfg.long_prompts == "refuse":
+        i = too_long[0]
+        fail(f"{flag} {source}: row {i} ({rows[i]['prompt'][:30]!r}...) is {lengths[i]} tokens, + "
+             f"{max_new} new > the model's {positions} positions; {len(too_long)} row(s) are too long "
+             f"(--long_prompts drop drops them)")
+    if too_long:
+        if distributed.is_main():
+            tqdm.write(f"{flag} {source}: dropped {len(too_long)} of {len(rows)} rows, longer than the "
+                       f"model's {positions} positions with {max_new} new tokens (--long_prompts drop)")
+        dropped = set(too_long)
+        rows = [r for i, r in enumerate(rows) if i not in dropped]
+        lengths = [n for i, n in enumerate(lengths) if i not in dropped]
+        if not rows:
+            fail(f"{flag} {source}: every row is longer than the model's {positions} positions "
+                 f"with {max_new} new tokens")
+    return rows, max(lengths, default=0)
 
 
 def eval_generator(device, seed: int, step: int) -> torch.Generator:
@@ -376,17 +482,17 @@ def eval_generator(device, seed: int, step: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(random.Random(f"eval-{seed}-{step}").getrandbits(63))
 
 
-def checkpoint_dir(path: str) -> Path:
-    """--init_from's checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
+def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
+    """--init_from's (or --model's) checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
     run = Path(path)
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
     if (run / "metrics.jsonl").is_file():  # a run directory (its config.json is brorl's, not a model's)
         left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
-        fail(f"--init_from {path}: the run holds no ckpt/" + (f" (a crash inside its save left {left.name}/: --resume {path} "
+        fail(f"{flag} {path}: the run holds no ckpt/" + (f" (a crash inside its save left {left.name}/: --resume {path} "
              "takes it back)" if left else " (--save 0, or stopped before its first eval)"))
     if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
-        fail(f"--init_from {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
+        fail(f"{flag} {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
 
 
@@ -439,7 +545,7 @@ class Run:
         reference, every random stream, the metrics logged up to it); --init_from with --init_optimizer:
         its AdamW moments on a new run; else a fresh start (0, 0.5, None)."""
         self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu
-        start, keep_est, q_start = 0, 0.5, None
+        start, keep_est, q_start, resumed = 0, 0.5, None, bool(self.state)
         if self.state:
             state, self.state = self.state, None  # (its AdamW state is loaded into opt, not kept twice)
             start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
@@ -453,11 +559,13 @@ class Run:
             init = checkpoint_dir(self.cfg.init_from)
             load_optimizer(self.model, opt, torch.load(init / "trainer_state.pt", map_location="cpu", weights_only=True),
                            self.cfg, f"--init_from {self.cfg.init_from}")
+        if self.main and self.cfg.resume:  # what changed, kept beside config.json (the latest)
+            record_changes(self.out, start, self.cfg)
         if self.main:  # the run directory is written once everything has loaded
             write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(self.cfg), indent=1))
         self.metrics_file = open_metrics(self.out, self.rows) if self.main else open(os.devnull, "w")
         if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
-            samples.rewind(self.samples_path, start if self.cfg.resume else -1)
+            samples.rewind(self.samples_path, start if resumed else -1)
             samples.thin(self.samples_path)  # in case the run stopped between its checkpoint and the thinning
         self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
@@ -541,15 +649,15 @@ def start(cfg) -> Run:
     if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
         fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
-    cfg, device, train_set, eval_set, model, tok = setup(cfg, str(ckpt or init or cfg.model), flag)
+    cfg, device, train_set, eval_set, model, tok, longest = setup(cfg, str(ckpt or init or cfg.model), flag)
     if init:  # config.json names the weights the run began from
         cfg = dataclasses.replace(cfg, model=str(init))
     if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
-    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
-    out, lock = make_run_dir(cfg, resume_from=ckpt)
+    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
+    out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (a --resume with no ckpt: step 0)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)")
     dtype = compute_dtype(cfg, device)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -557,8 +665,9 @@ def start(cfg) -> Run:
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval {len(eval_set)}; "
         f"verifier {cfg.verifier}; run dir {out}")
-    if cfg.task == "keys":  # the one task whose held-out set is its training set, by design
-        say(f"task keys: evaluated on {len(eval_set)} of its own training prompts, by design (Theorem 1 is per prompt; data.py)")
+    if cfg.task in ("keys", "sets"):  # the tasks whose held-out set is their training set, by design
+        say(f"task {cfg.task}: evaluated on {len(eval_set)} of its own training prompts, by design "
+            "(Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
@@ -615,19 +724,24 @@ def load_optimizer(model, opt, state: dict, cfg, source: str):
 def plan(cfg) -> list:
     """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
     device, then per rank of 8 (torchrun)."""
-    name = str(surviving_checkpoint(Path(cfg.resume))) if cfg.resume else cfg.model
+    name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
     device = distributed.pick_device(cfg.device)
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
+    if (Path(name) / "metrics.jsonl").is_file():  # a run directory: its checkpoint, or one line
+        name = str(checkpoint_dir(name, "--model"))
     name, revision = split_revision(name)
     try:
         model_config = AutoConfig.from_pretrained(name, revision=revision)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True)
+    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt is planned for
+    train_set, longest = fit_context(cfg, train_set, "--task", cfg.task, cfg.max_new_tokens, tok, positions)
+    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True, prompt_tokens=longest)
     if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
         print()
-        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True)
+        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True,
+                            prompt_tokens=longest)
     return []
 
 
@@ -636,7 +750,7 @@ def eval_only(cfg, evaluate) -> dict:
     run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference, nothing
     written but eval.json. With K processes each samples its share of the prompts and rank 0 writes."""
     stop_on_ctrl_c("interrupted: no eval.json written")
-    cfg, device, _, eval_set, model, tok = setup(cfg, cfg.model, "--model", with_train_set=False)
+    cfg, device, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
     out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):

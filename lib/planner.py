@@ -24,7 +24,6 @@ estimate is of tensor bytes; an allocator adds its fragmentation on top (a margi
 
 import dataclasses
 import math
-import random
 import weakref
 
 import torch
@@ -324,12 +323,21 @@ def measure_peak(fn, existing=lambda: ()):
 # A run's plan: printed before its first step, its max_rows and micro_batch fitted
 
 
-def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False):
+def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
+    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with no
+    chat template one batched call, the same ids."""
+    if not tok.chat_template and not system_prompt:
+        return [len(ids) for ids in tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]]
+    return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
+
+
+def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False,
+                prompt_tokens=None):
     """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
     --memory_gb; stop with one line naming what to lower when even one row does not fit (report_only,
-    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this run's)."""
-    sample = random.Random(cfg.seed).sample(train_set, min(256, len(train_set)))
-    prompt_tokens = max(len(encode_prompt(tok, e["prompt"], cfg.system_prompt)) for e in sample)  # the longest of a sample
+    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this run's).
+    prompt_tokens: the longest prompt (default: the training set's, every row measured)."""
+    prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
     memory = cfg.memory_gb * GB or default_memory_bytes(device)
     K = world_size or distributed.world_size()  # the figures are one rank's
     say = print if distributed.is_main() else (lambda line: None)

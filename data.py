@@ -141,7 +141,7 @@ def classify(a: int, b: int, completion: str) -> str:
 #
 # Theorem 1 (docs/paper.md §3) is about one prompt's softmax, and BroRL's claim is about prompts whose
 # right answer is rare but reachable: Q(x) between 1/512 (N = 512 sees it) and 1/16 (N = 16 mostly does
-# not). On arithmetic a stuck problem is a wall (Q ~ 1e-21: NOTES.md#breadth-from-a-plateau), and skill
+# not). On arithmetic a stuck problem is a wall (median Q ~ 1e-19: docs/results/plateau.md), and skill
 # transfers across problems. Here each prompt "k<two letters>=" has its own 3-digit value and four decoy
 # values, nothing to transfer, and the warm start sets each prompt's right mass from a log-uniform
 # range: every prompt is one softmax of the theorem's kind. Train and eval are the same 512 prompts
@@ -404,7 +404,7 @@ def evaluate(model, tok, problems: list[dict], n: int, ks: list[int], **sampling
 def warm_start(cfg: WarmStart):
     """Train the embedded model (addition, then the mixture); return (report, model, tok) with
     its held-out metrics. Fully seeded: the same config and thread count give the same weights (in
-    one process, tested; across processes, measured: NOTES.md#building-the-embedded-models)."""
+    one process, tested; across processes, measured: docs/results/embedded-models.md)."""
     import torch.nn.functional as F
     torch.set_num_threads(cfg.threads)
     tok = build_tokenizer()
@@ -536,6 +536,11 @@ def save(model, tok, cfg: WarmStart, report: dict) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    # The recorded output path is the asset's own, relative to the repository (assets/tiny-keys),
+    # never the build machine's absolute scratch directory; None for a build outside the repository.
+    root, where = Path(__file__).resolve().parent, out.resolve()
+    rel = where.relative_to(root).as_posix() if where.is_relative_to(root) else None
+    report = {**report, "config": {**report.get("config", {}), "out": rel}}
     (tmp / "warmstart.json").write_text(json.dumps(report, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

@@ -7,7 +7,7 @@
 # run, at requirements.txt's pins (tqdm, matplotlib). Not run by CI: its downloads are GBs.
 #   bash .ci/image_venv.sh /tmp/image                                            # PY312: python3.12 to use
 #   OUT=/tmp/gpu_out PIP_NO_INDEX=1 PYTHON=/tmp/image/bin/python bash .ci/gpu    # the rehearsal
-# What the rehearsal found: NOTES.md#gpu-figures.
+# What the rehearsal found: docs/results/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:?usage: bash .ci/image_venv.sh DIR}

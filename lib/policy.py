@@ -156,7 +156,7 @@ def add_lora(model, rank: int, alpha: float, targets: str):
     """--lora_rank r: a LoRA adapter (scale alpha / r, no dropout: the loss's log-probs must be the
     sampler's) on the named Linear layers of every decoder layer; everything else frozen. The LM head is
     not a target, so kernels.linear_logprobs still takes it as a plain linear head. The sampler decodes
-    with the adapter unmerged (an extra low-rank matmul per target, exact; see NOTES.md for merged)."""
+    with the adapter unmerged (an extra low-rank matmul per target, exact; merged: docs/results/objectives.md)."""
     peft = _peft()
     config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0, bias="none",
                              target_modules=[t for t in targets.split(",") if t], task_type="CAUSAL_LM")

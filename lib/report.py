@@ -66,8 +66,9 @@ def table_rows(records: list) -> list:
 
 class TensorBoard:
     """Event files in <out>/tensorboard, scalars in float64 (exactly metrics.jsonl's), the samples as a
-    markdown table (text). purge_step: what an earlier session logged from this session's first step on is
-    not drawn (a resumed run's steps after its checkpoint; everything, for a fresh start in the same directory)."""
+    markdown table (text). purge_step: what an earlier segment of the run logged from this segment's
+    first step on is not drawn (a resumed run's steps after its checkpoint; everything, for a fresh
+    start in the same directory)."""
 
     def __init__(self, cfg, out: Path, start: int):
         from torch.utils.tensorboard import SummaryWriter

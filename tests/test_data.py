@@ -118,7 +118,9 @@ def test_warm_start_is_reproducible(tmp_path):
     assert r1 == r2
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     data.save(m1, tok, cfg, r1)
-    assert json.loads((tmp_path / "m" / "warmstart.json").read_text())["config"]["steps_mixture"] == 2
+    report = json.loads((tmp_path / "m" / "warmstart.json").read_text())
+    assert report["config"]["steps_mixture"] == 2
+    assert report["config"]["out"] is None  # built outside the repository: no machine's path recorded
     (tmp_path / "precious").mkdir()
     (tmp_path / "precious" / "file").write_text("x")
     with pytest.raises(ValueError, match="refusing"):

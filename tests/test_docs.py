@@ -3,8 +3,9 @@ code's own format, and every flag, default and preset the docs name is the code'
 
 Citation formats (strict, so that they can be checked):
   docs/paper.md §N        a numbered section: docs/paper.md has a heading "## N. ..."
-  NOTES.md#anchor         a heading of NOTES.md (GitHub's anchor of the heading text)
-  [text](path#anchor)     a Markdown link in README.md, NOTES.md, docs/*.md: the file, and the heading
+  docs/results/X.md#a     a heading of that page (GitHub's anchor of the heading text)
+  [text](path#anchor)     a Markdown link in README.md, docs/*.md, docs/results/*.md: the file, and
+                          the heading
   `path`                  a backticked repository path in the docs (`tests/`, `assets/tiny-arith`, `kernels.py`)
   `module.name`           a backticked function or constant of one of our modules: it exists
   python X.py / bash X.sh a command anywhere in the shipped text (docs, docstrings, comments, CI
@@ -28,7 +29,9 @@ from lib import config
 import data
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ["README.md", "NOTES.md", "docs/paper.md"]
+RESULTS = "docs/results"  # the results book: one page a question, an index, an archive
+DOCS = ["README.md", "docs/paper.md", "docs/running.md",
+        *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench", "objectives",
            "policy", "config")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
@@ -55,7 +58,8 @@ def text_files(root: Path) -> list:
     """Every file whose text ships: code, CI scripts, docs."""
     files = [*root.glob("*.py"), *root.glob("*.sh"), *root.glob("*.md"), *root.glob("*.txt"), *root.glob("*.ini"),
              *root.glob("tests/*.py"), *root.glob("lib/*.py"), *root.glob("tools/*.py"), *root.glob("tools/*.sh"),
-             *root.glob(".ci/*"), *root.glob("docs/*.md"), *root.glob("assets/**/*.md")]
+             *root.glob(".ci/*"), *root.glob("docs/*.md"), *root.glob("docs/results/*.md"),
+             *root.glob("assets/**/*.md")]
     return sorted(f for f in files if f.is_file())
 
 
@@ -92,6 +96,8 @@ def citation_problems(root: Path) -> list:
                 path, anchor, section = m.groups()
                 where = f"{f.relative_to(root)}:{lineno}: {m.group(0)}"
                 target = root / path
+                if not target.is_file() and f.suffix == ".md":  # a page names its neighbours by name
+                    target = f.parent / path
                 if not target.is_file():
                     problems.append(f"{where}: no file {path}")
                 elif anchor and anchor not in anchors(target.read_text()):
@@ -244,16 +250,18 @@ def same_value(quoted: str, value) -> bool:
 
 
 def default_problems(root: Path) -> list:
-    """Defaults the README quotes, written "`--flag`, default V" or "`--flag` (default V": V is Config's."""
+    """Defaults README.md and docs/running.md quote, written "`--flag`, default V" or "`--flag`
+    (default V": V is Config's."""
     defaults = config_defaults()
-    return [f"README.md: `--{flag}`, default {v}: " + (f"the code's default is {defaults[flag]!r}" if flag in defaults
-                                                       else "no such Config field")
-            for flag, v in re.findall(r"`--(\w+)`(?:, | \()default ([\w.+-]+)", (root / "README.md").read_text())
+    return [f"{doc}: `--{flag}`, default {v}: " + (f"the code's default is {defaults[flag]!r}"
+                                                   if flag in defaults else "no such Config field")
+            for doc in ("README.md", "docs/running.md")
+            for flag, v in re.findall(r"`--(\w+)`(?:, | \()default ([\w.+-]+)", (root / doc).read_text())
             if flag not in defaults or not same_value(v, defaults[flag])]
 
 
 def preset_problems(root: Path) -> list:
-    """Every `--preset NAME` in the docs exists, and every row of README's presets table is that preset:
+    """Every `--preset NAME` in the docs exists, and every row of docs/running.md's presets table is that preset:
     model and task (or "your ..." where the preset leaves them to the user), N x B, new tokens (and the
     eval's, when quoted)."""
     problems = []
@@ -261,29 +269,29 @@ def preset_problems(root: Path) -> list:
         for name in re.findall(r"--preset[ =]([\w.-]+)", (root / doc).read_text()):
             if name not in config.PRESETS and not name.isupper():  # X, NAME: a placeholder
                 problems.append(f"{doc}: --preset {name}: no such preset (config.PRESETS: {sorted(config.PRESETS)})")
-    md = (root / "README.md").read_text()
+    md = (root / "docs/running.md").read_text()
     header = "\n| preset | model | task | N x B | new tokens |"
     table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
     rows = re.findall(r"^\| `([\w.-]+)` \| (.+) \|$", table, flags=re.M)
     if not rows:
-        return problems + ["README.md: no presets table (| preset | model | task | N x B | new tokens |)"]
+        return problems + ["docs/running.md: no presets table (| preset | model | task | N x B | new tokens |)"]
     for name, rest in rows:
         if name not in config.PRESETS:
-            problems.append(f"README.md presets table: {name}: no such preset")
+            problems.append(f"docs/running.md presets table: {name}: no such preset")
             continue
         preset, cfg = config.PRESETS[name], {**config_defaults(), **config.PRESETS[name]}
         model, task, nb, tokens = (c.strip() for c in rest.split(" | "))
         for flag, cell in (("model", model), ("task", task)):
             if (flag in preset) if cell.startswith("your") else not same_value(cell, cfg[flag]):
-                problems.append(f"README.md presets table: {name}'s {flag} is {cell}, the code's {cfg[flag]!r}")
+                problems.append(f"docs/running.md presets table: {name}'s {flag} is {cell}, the code's {cfg[flag]!r}")
         n, b = nb.split(" x ")
         if not (same_value(n, cfg["n_rollouts"]) and same_value(b, cfg["prompts_per_step"])):
-            problems.append(f"README.md presets table: {name} is {nb}, "
+            problems.append(f"docs/running.md presets table: {name} is {nb}, "
                             f"the code's {cfg['n_rollouts']} x {cfg['prompts_per_step']}")
         m = re.fullmatch(r"([\d,]+)(?: \(eval ([\d,]+)\))?", tokens)
         want_eval = cfg["eval_max_new_tokens"] or cfg["max_new_tokens"]
         if not m or not same_value(m[1], cfg["max_new_tokens"]) or (m[2] and not same_value(m[2], want_eval)):
-            problems.append(f"README.md presets table: {name}'s new tokens are {tokens}, the code's "
+            problems.append(f"docs/running.md presets table: {name}'s new tokens are {tokens}, the code's "
                             f"{cfg['max_new_tokens']} (eval {want_eval})")
     return problems
 
@@ -325,14 +333,15 @@ def log_line_problems(root: Path) -> list:
     if shape(line) != shape(want):
         problems.append(f"README.md's example log line is not harness.log_line's format:\n"
                         f"  README: {line}\n  code:   {want}")
-    # the example comes from a recorded run: NOTES.md names it, with its eval numbers on one line
-    m = re.search(r"eval pass@1 ([\d.]+) pass@k ([\d.]+) Q ([\d.]+)", line)
-    notes = (root / "NOTES.md").read_text().splitlines()
+    # the example comes from a recorded run: its results page names it, with its eval numbers on one
+    # line (pass@1, pass@k, the probe's Q) and its exact Q on the page
+    m = re.search(r"eval pass@1 ([\d.]+) pass@k ([\d.]+) probe Q ([\d.]+) exact Q ([\d.]+)", line)
+    page = (root / RESULTS / "default-run.md").read_text()
     if not m:
         problems.append("README.md: the example log line has no eval part (pick an eval step)")
-    elif not any(all(v in ln for v in m.groups()) for ln in notes):
-        problems.append(f"README.md's example log line (pass@1 {m[1]}, pass@k {m[2]}, Q {m[3]}) is not the run "
-                        f"recorded in NOTES.md: no line there has all three numbers")
+    elif not any(all(v in ln for v in m.groups()[:3]) for ln in page.splitlines()) or m[4] not in page:
+        problems.append(f"README.md's example log line (pass@1 {m[1]}, pass@k {m[2]}, probe Q {m[3]}, exact Q "
+                        f"{m[4]}) is not the run recorded in {RESULTS}/default-run.md")
     return problems
 
 
@@ -408,8 +417,9 @@ def test_embedded_model_size_is_the_same_everywhere():
 
 
 def readme_brorl_commands() -> list:
-    """The `python brorl.py ...` lines of README's code blocks, as argument lists (a placeholder's line left out)."""
-    lines = [ln for block in FENCE.findall((ROOT / "README.md").read_text())
+    """The `python brorl.py ...` lines of the code blocks of README.md and docs/running.md, as argument
+    lists (a placeholder's line left out)."""
+    lines = [ln for doc in ("README.md", "docs/running.md") for block in FENCE.findall((ROOT / doc).read_text())
              for ln in block.replace("\\\n", " ").splitlines()]
     return [ln.split(" #")[0].split("brorl.py", 1)[1].split() for ln in lines
             if ln.startswith("python brorl.py") and "<" not in ln]
@@ -417,7 +427,8 @@ def readme_brorl_commands() -> list:
 
 def test_readme_commands_parse_and_name_each_objective():
     """Every README `python brorl.py` line is a valid config; one line each runs GSPO, CISPO, Dr. GRPO, PODS and
-    LoRA (at 10x full fine-tuning's lr, as NOTES.md's study), and the paper's eval protocol is the paper preset's."""
+    LoRA (at 10x full fine-tuning's lr, as the objectives page's study), and the paper's eval protocol is the
+    paper preset's, on a benchmark given as --eval_task (all its rows), never as --task (its ~10% test split)."""
     cfgs = [brorl.parse_config(args) for args in readme_brorl_commands()]
     default = brorl.Config()
     wanted = {"GSPO": lambda c: c.loss == "gspo" and c.loss_agg == "sequence",
@@ -427,7 +438,8 @@ def test_readme_commands_parse_and_name_each_objective():
               "LoRA": lambda c: c.lora_rank > 0 and c.lr == 10 * default.lr}
     assert [name for name, ok in wanted.items() if not any(ok(c) for c in cfgs)] == []
     paper = {**dataclasses.asdict(default), **config.PRESETS["paper"]}
-    evals = [c for c in cfgs if c.eval_only and c.task.startswith("math:")]  # (arith's: a testbed measured)
+    evals = [c for c in cfgs if c.eval_only and c.eval_task.startswith("math:")]  # (arith's: a testbed measured)
+    assert not [c for c in cfgs if c.eval_only and c.task.startswith("math:")]
     assert evals and all((c.eval_max_new_tokens or c.max_new_tokens) == paper["eval_max_new_tokens"]
                          and c.eval_samples == paper["eval_samples"] for c in evals)
 
@@ -453,9 +465,9 @@ def test_readme_loss_is_the_codes_lines():
 
 
 def test_readme_objective_figures_are_the_notebooks():
-    """The pass@1 figures README's Objectives paragraph quotes are NOTES.md's; NOTES.md's table of the arms
-    says what each shared and kept, its flags each that arm's."""
-    md, notes = (ROOT / "README.md").read_text(), (ROOT / "NOTES.md").read_text()
+    """The pass@1 figures README's Objectives paragraph quotes are its results page's; that page's table of
+    the arms says what each shared and kept, its flags each that arm's."""
+    md, notes = (ROOT / "README.md").read_text(), (ROOT / RESULTS / "objectives.md").read_text()
     paragraph = md.split("**Objectives**", 1)[1].split("\n\n", 1)[0]
     figures = re.findall(r"\b0\.\d{3}\b", paragraph)
     assert len(figures) >= 4 and [x for x in figures if x not in notes] == []
@@ -485,11 +497,11 @@ def test_checks_catch_broken_citations(tmp_path):
     root = copy_text(tmp_path)
     assert citation_problems(root) == [] and link_problems(root) == [] and path_problems(root) == []
     assert command_problems(root) == []
-    (root / "x.py").write_text('"""See docs/paper.md §9, NOTES.md#no-such-heading and PAPER.md."""\n')
+    (root / "x.py").write_text('"""See docs/paper.md §9, docs/results/README.md#no-such-heading and PAPER.md."""\n')
     found = citation_problems(root)
     assert len(found) == 3, found
     readme = root / "README.md"
-    readme.write_text(readme.read_text() + "\n[gone](docs/nothing.md) [bad](NOTES.md#nope) `assets/none.bin` "
+    readme.write_text(readme.read_text() + "\n[gone](docs/nothing.md) [bad](docs/results/README.md#nope) `assets/none.bin` "
                       "`python nothere.py` `python -m tools.nothere` `gone.py` `brorl.no_such_function`\n")
     assert len(link_problems(root)) == 2
     assert len(path_problems(root)) == 2  # assets/none.bin, gone.py
@@ -515,12 +527,12 @@ def test_checks_catch_stale_commands(tmp_path):
 
 def test_checks_catch_wrong_flags_defaults_and_presets(tmp_path):
     root = copy_text(tmp_path)
-    readme = root / "README.md"
+    readme, running = root / "README.md", root / "docs/running.md"
     before = [len(check(root)) for check in (flag_problems, default_problems, preset_problems)]
-    md = readme.read_text()
-    assert "(`--n_rollouts`, default 512)" in md and "| 256 x 16 | 512 |" in md
+    md, table = readme.read_text(), running.read_text()
+    assert "(`--n_rollouts`, default 512)" in md and "| 256 x 16 | 512 |" in table
     md = md.replace("(`--n_rollouts`, default 512)", "(`--n_rollouts`, default 16)")  # a stale default
-    md = md.replace("| 256 x 16 | 512 |", "| 256 x 8 | 512 |")  # a stale preset
+    running.write_text(table.replace("| 256 x 16 | 512 |", "| 256 x 8 | 512 |"))  # a stale preset
     md += "\n`--no_such_flag` `python brorl.py --grid n_rollouts=16` `--preset nonesuch`\n"
     readme.write_text(md)
     after = [len(check(root)) for check in (flag_problems, default_problems, preset_problems)]
@@ -537,4 +549,129 @@ def test_checks_catch_a_stale_log_line(tmp_path):
     assert "not harness.log_line's format" in log_line_problems(root)[0]
     readme.write_text(readme.read_text().replace(line.replace(" | keep ", " | keep 1.00 | kept "),
                                                  line.replace(" Q 0.", " Q 1.")))
-    assert "not the run recorded in NOTES.md" in log_line_problems(root)[0]
+    assert "is not the run recorded in docs/results/default-run.md" in log_line_problems(root)[0]
+
+
+# ----------------------------------------------------------------------------
+# Facts stated in more than one place agree with each other and with the code
+
+
+def test_readme_fits_in_12_kb():
+    assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024
+
+
+def readme_legend() -> dict:
+    """README's legend of the step line: field -> its row's text."""
+    md = (ROOT / "README.md").read_text()
+    table = md.split("| field | what it is", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)`(?:, `([^`]+)`)? \| (.+)$", table, flags=re.M)
+    return {name: text for a, b, text in rows for name in (a, b) if name}
+
+
+def test_readme_legend_explains_every_field_of_the_step_line():
+    """Every field of harness.log_line has a legend row naming the metrics.jsonl key that log_line
+    prints for it; the shares say so; a field the legend calls 0 in fp32 is 0 in the example."""
+    import inspect
+    line, legend = import_module("harness").log_line(AnyMetrics()), readme_legend()
+    fields = []
+    for segment in line.split(" | "):  # a segment: labels, each followed by its number
+        label = []
+        for word in segment.split():
+            if re.fullmatch(r"[\d.e+-]+s?", word):
+                fields.append(" ".join(label))
+                label = []
+            else:
+                label.append(word)
+        fields += [" ".join(label)] if label else []
+    fields = [f.replace("|r-1|", "\\|r-1\\|") for f in fields if f not in ("", "step")]
+    assert set(fields) <= set(legend), (fields, sorted(legend))
+    source = inspect.getsource(import_module("harness").log_line)
+    for text in legend.values():
+        assert all(key in source for key in re.findall(r"`(\w+(?:@\w+)?)`", text.split("|")[0])
+                   if key.islower() and "_" in key or "@" in key), text
+    assert "share" in legend["keep"] and "share" in legend["clip"]
+    example = dict(re.findall(r"(\|r-1\||drift) ([\d.e+-]+)", readme_log_line(ROOT)))
+    for name, text in legend.items():
+        if "0 in fp32" in text:
+            assert float(example[name.replace("\\|", "|")]) == 0, (name, example)
+
+
+def test_probe_q_and_exact_q_are_named_apart():
+    """The log line, the README and every page call the sampled mass the probe's Q and the computed
+    one the exact Q; no text calls mass_mean anything but the probe's."""
+    line = import_module("harness").log_line(AnyMetrics())
+    assert " probe Q " in line and " exact Q " in line and " | Q " not in line
+    legend = readme_legend()
+    assert "sampled" in legend["probe Q"] and "computed" in legend["exact Q"]
+    for doc in DOCS:
+        for ln in (ROOT / doc).read_text().splitlines():
+            assert "mass_mean`" not in ln or "probe" in ln, (doc, ln)
+
+
+def test_the_plateau_figure_is_the_same_everywhere():
+    """data.py's comment quotes the plateau's median exact Q as its results page measured it."""
+    page = (ROOT / RESULTS / "plateau.md").read_text()
+    measured = float(re.search(r"never\s+right have a median log10 Q of (-[\d.]+)", page)[1])
+    quoted = re.search(r"median Q ~ 1e-(\d+): docs/results/plateau.md", (ROOT / "data.py").read_text())
+    assert quoted and int(quoted[1]) == round(-measured), (measured, quoted)
+
+
+def test_the_map_names_every_log_prob_function_in_use():
+    """brorl.py's docstring names every function of kernels.py that our modules import."""
+    used = set()
+    for f in [*ROOT.glob("*.py"), *ROOT.glob("lib/*.py")]:
+        if f.name.startswith("test_"):
+            continue
+        for names in re.findall(r"^from kernels import (.+)$", f.read_text(), flags=re.M):
+            used |= {n.strip() for n in names.split("#")[0].split(",")}
+    assert used and [n for n in used if f"kernels.{n}" not in brorl.__doc__] == []
+
+
+def test_the_theorem_is_read_by_analogy():
+    """Theorem 1 is about one softmax over free logits: no text says it is about a prompt's Q(x), or
+    that it applies to the simulation or a policy directly; the probe's rose/fell are shares."""
+    wrong = re.compile(r"Theorem 1( and Lemma 2)? (is|are) about (Q\(x\)|a prompt's)|Theorem 1 applies"
+                       r"|how many probe prompts")
+    found = [(f.relative_to(ROOT).as_posix(), m[0]) for f in text_files(ROOT) if f.name != "test_docs.py"
+             for m in wrong.finditer(" ".join(f.read_text().split()))]
+    assert found == []
+
+
+def test_supported_versions_say_what_ci_tests():
+    """CI's oldest end installs no torch (the pinned one serves both ends): wherever the range is
+    stated, it says torch 2.11 and 2.12 are untested in CI."""
+    ci = (ROOT / ".ci/run").read_text()
+    assert not re.search(r"--target \S+ [^\n]*torch==", ci)
+    for doc in ("requirements.txt", "docs/running.md", f"{RESULTS}/versions.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        assert "torch 2.11 and 2.12" in text and ("not tested in CI" in text or "untested in CI" in text), doc
+
+
+def test_no_session_words_in_the_product():
+    """A run is a run, or a segment of one; 'session' names nothing of ours."""
+    files = [*ROOT.glob("*.py"), *ROOT.glob("lib/*.py"), *ROOT.glob("tools/*.py"),
+             *[ROOT / d for d in DOCS]]
+    assert [f.name for f in files if re.search(r"\bsessions?\b", f.read_text())] == []
+
+
+def test_assets_record_their_own_path():
+    """Every shipped warm start records its own relative path (or none), never a build machine's."""
+    import json
+    for f in ROOT.glob("assets/*/warmstart.json"):
+        out = json.loads(f.read_text())["config"].get("out")
+        assert out in (None, f.parent.relative_to(ROOT).as_posix()), (f, out)
+
+
+def test_results_book_pages_open_with_answer_command_commit_machine():
+    """Each page: a question, its answer, the command in a code block, the commit and the machine;
+    the index links every page, and the archive holds what was superseded."""
+    pages = sorted((ROOT / RESULTS).glob("*.md"))
+    index = (ROOT / RESULTS / "README.md").read_text()
+    for p in pages:
+        if p.name in ("README.md", "archive.md"):
+            continue
+        head = p.read_text().split("\n## ", 1)[0]
+        assert head.startswith("# ") and "\n**Answer.** " in head, p.name
+        assert "```bash\n" in head and "Commit:" in head and "Machine:" in head, p.name
+        assert f"]({p.name})" in index, f"the index does not link {p.name}"
+    assert "](archive.md)" in index

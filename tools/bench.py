@@ -1,5 +1,5 @@
 """
-bench.py: the speed benchmark (its figures: NOTES.md#speed). Every figure is measured in one run, on one saved
+bench.py: the speed benchmark (its figures: docs/results/speed.md). Every figure is measured in one run, on one saved
 randomly initialised model (same weights for every contender), with every response forced to
 its full length, and reported as the median of several interleaved repeats (A B A B ...).
 
@@ -359,7 +359,7 @@ def main(argv=None):
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False); --tiny runs its driver on a CPU")
     device = torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
-    # OpenMP's wait policy moves every CPU figure (NOTES.md#openmps-wait-policy): say which one this run had
+    # OpenMP's wait policy moves every CPU figure (docs/results/speed.md#openmps-wait-policy): say which one this run had
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:

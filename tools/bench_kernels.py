@@ -16,7 +16,7 @@ Commands:
   python -m tools.bench_kernels --part correctness
   python -m tools.bench_kernels --part logprobs --shapes 65536x151936 --compiled_shapes 0
   python -m tools.bench_kernels --tune                     # GPU: a few launch configs, fwd+bwd ms
-Figures: NOTES.md.
+Figures: docs/results/kernel.md.
 """
 
 import argparse

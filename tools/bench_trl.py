@@ -1,5 +1,5 @@
 """
-bench_trl.py: TRL's GRPOTrainer on the bench model, for the side-by-side figure in NOTES.md#speed.
+bench_trl.py: TRL's GRPOTrainer on the bench model, for the side-by-side figure in docs/results/speed.md.
 Runs inside TRL's own venv (tools/bench_trl.sh makes it); imports nothing from brorl.
 
 One brorl step = 2 prompts x N rollouts, 32 new tokens, 2 optimizer steps (n_minibatches=2),

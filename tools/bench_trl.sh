@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# TRL's GRPOTrainer on brorl's bench model, for the side-by-side figure in NOTES.md#speed.
+# TRL's GRPOTrainer on brorl's bench model, for the side-by-side figure in docs/results/speed.md.
 # TRL is not a dependency of brorl: this script installs it in its own venv (never the project's).
 #
 #   bash tools/bench_trl.sh                 # N=512 then N=64: completions/s and peak RSS

@@ -10,9 +10,11 @@ with N = 512 rollouts it runs tens of thousands of times per step. `python verif
 
 Tasks. math: extract_answer, then is_equiv with the gold. verifier="both" adds the optional
 math-verify package (imported only when asked) as a second opinion on the same extracted answer:
-correct if either accepts (the ProRL recipe); verifier="math_verify" asks math-verify alone. arith, the embedded toy task ("123+456="): strip
-whitespace; keep what follows the last '=' (if any), stripped; it must be a plain integer
-(optional '-', ASCII digits, <= 32 chars) equal as an integer to the gold. Unknown task or
+correct if either accepts (the ProRL recipe); verifier="math_verify" asks math-verify alone.
+arith, the embedded toy task ("123+456="): strip whitespace; keep what follows the last '=' (if
+any), stripped; it must be a plain integer (optional '-', ASCII digits, <= 32 chars) equal as an
+integer to the gold. sets (data.py): the same rule, the integer one of the gold's comma-separated
+right values. Unknown task or
 verifier: ValueError (caller error). The caller cuts a completion at its stop token.
 
 Extraction, in order; each fallback can be switched off
@@ -84,6 +86,7 @@ Limits, known and accepted
     in worker processes (their main threads); reward() from another thread skips it, warning.
 """
 import functools
+import logging
 import math
 import os
 import re
@@ -100,8 +103,10 @@ MAX_ITEMS = 64     # largest tuple/set compared element-wise (the set match is q
 MAX_DEPTH = 32     # deepest nesting the parser and the structure splitter accept
 REL_TOL = 1e-9     # for comparisons where an irrational (float) value takes part
 MV_TIMEOUT_S = 5   # math-verify's own per-call timeout (its default)
+MV_DECIDED_TIMEOUT_S = 1  # its timeout where the rules read the gold as an exact number (see below)
+MV_LOG_CHARS = 200  # math-verify's log lines (it logs a whole input that timed out) cut to this
 PARALLEL_MIN = 1 << 15  # rewards(): below this many math completions processes do not pay
-TASKS, VERIFIERS = ("math", "arith"), ("rules", "math_verify", "both")
+TASKS, VERIFIERS = ("math", "arith", "sets"), ("rules", "math_verify", "both")
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -613,6 +618,12 @@ def _equiv(pred, gold):
 _PLAIN_INT = re.compile(r"-?[0-9]{1,32}")
 
 
+@functools.lru_cache(maxsize=4096)
+def _gold_set(gold):
+    """The sets task's right values: its gold "v1,v2,..." as a frozenset of ints."""
+    return frozenset(int(v) for v in gold.split(","))
+
+
 def reward(completion, gold, task="math", verifier="rules"):
     """1.0 if the completion's answer is right, else 0.0. Raises only on caller error."""
     _check(task, verifier)
@@ -622,10 +633,12 @@ def reward(completion, gold, task="math", verifier="rules"):
 def _score(completion, gold, task, verifier):
     if not isinstance(completion, str):
         return 0.0
-    if task == "arith":
+    if task in ("arith", "sets"):  # sets: the gold is the comma-separated right values
         s = completion.strip()
         s = s[s.rfind("=") + 1:].strip()
-        return float(len(s) <= 32 and _PLAIN_INT.fullmatch(s) is not None and int(s) == int(gold))
+        if len(s) > 32 or _PLAIN_INT.fullmatch(s) is None:
+            return 0.0
+        return float(int(s) in _gold_set(gold) if task == "sets" else int(s) == int(gold))
     answer = extract_answer(completion)
     if answer is None:
         return 0.0
@@ -698,14 +711,28 @@ def _load_math_verify():
     except ImportError as e:
         raise ImportError("verifier 'math_verify' or 'both' needs the optional math-verify package: "
                           "pip install math-verify") from e
+    for name in [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] == "math_verify"]:
+        logging.getLogger(name).addFilter(_shorten_log)  # its loggers: a whole input never printed
     return math_verify
+
+
+def _shorten_log(record):
+    """A math-verify log record cut to MV_LOG_CHARS, its traceback to one line: it logs the whole
+    input that timed out or failed to parse (a 1 MB answer would be printed whole)."""
+    msg = record.getMessage()
+    if record.exc_info and record.exc_info[1] is not None:
+        msg += f" ({type(record.exc_info[1]).__name__})"
+    if len(msg) > MV_LOG_CHARS:
+        msg = msg[:MV_LOG_CHARS] + f"... ({len(msg)} characters)"
+    record.msg, record.args, record.exc_info, record.exc_text = msg, (), None, None
+    return True
 
 
 def choose_verifier(task, asked="auto"):
     """The verifier a run uses: the arith task has a rule of its own (rules, whatever was asked); on
     math, auto is the paper's (rules or Math-Verify: both) when math-verify is installed, else rules.
     Asking for math_verify or both without the package raises ImportError saying what to install."""
-    if task == "arith":
+    if task in ("arith", "sets"):
         return "rules"
     try:
         _load_math_verify()
@@ -723,13 +750,30 @@ def _math_verify_accepts(answer, gold):
         warnings.warn("math-verify's timeouts need a main thread: second opinion skipped here "
                       "(rewards() runs it in worker processes)", RuntimeWarning, stacklevel=3)
         return False
+    if len(answer) > MAX_ANSWER:  # no answer (the rules' bound), whoever judges it
+        return False
     mv = _load_math_verify()
     try:
-        parsed_gold = mv.parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)
-        parsed = mv.parse("\\boxed{" + answer + "}", parsing_timeout=MV_TIMEOUT_S)
-        return bool(mv.verify(parsed_gold, parsed, timeout_seconds=MV_TIMEOUT_S))
+        parsed_gold, timeout = _math_verify_gold(gold)
+        parsed = mv.parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
+        return bool(mv.verify(parsed_gold, parsed, timeout_seconds=timeout))
     except Exception:  # its timeouts and parse errors alike: no second yes
         return False
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _math_verify_gold(gold):
+    """A gold as math-verify parses it, once per gold (not once per rollout), and the timeout of the
+    calls that compare with it: MV_DECIDED_TIMEOUT_S where the rules read the gold as an exact number
+    (they have already judged every answer that is one; math-verify is a second opinion on symbolic
+    forms, and an answer like 1000000! would otherwise cost its whole 5 s), else MV_TIMEOUT_S."""
+    g = gold.strip()
+    try:
+        numeric = 0 < len(g) <= MAX_ANSWER and (_INT.fullmatch(g) or _value(_normalize(g))[0] == "num")
+    except Exception:  # (the rules never raise on a gold; if they did, the longer timeout)
+        numeric = False
+    parsed = _load_math_verify().parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)
+    return parsed, MV_DECIDED_TIMEOUT_S if numeric else MV_TIMEOUT_S
 
 # ----------------------------------------------------------------------------- benchmark
 

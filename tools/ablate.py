@@ -7,6 +7,7 @@ The grid. Each --grid is one axis: `flag=v1,v2,...` items whose values move TOGE
 they need equal counts); several --grid options are crossed. Every brorl.py flag is a possible axis.
   --grid n_rollouts=16,512 prompts_per_step=8,2            2 configs: (16, 8), (512, 2)
   --grid n_rollouts=16,512 --grid lr=1e-4,2e-4             4 configs: every N with every lr
+  --grid 'lora_targets=q_proj\\,v_proj,q_proj'             2 configs: a comma in a value is \\,
 Each config runs once per --seeds value. Flags ablate.py does not know go to every run unchanged
 (`--preset hard --time_budget 90`); --seed and --out are ablate's to set.
 
@@ -53,6 +54,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -91,7 +93,7 @@ def parse_grid(axes: list[list[str]]) -> list[dict]:
                 raise ValueError(f"--grid {item!r}: --{name} is set by the sweep (use --seeds for seeds)")
             if name in seen:
                 raise ValueError(f"--grid {item!r}: --{name} is already on an axis")
-            vals = values.split(",")
+            vals = split_values(values)
             if "" in vals:
                 raise ValueError(f"--grid {item!r}: an empty value")
             seen.add(name)
@@ -106,6 +108,12 @@ def parse_grid(axes: list[list[str]]) -> list[dict]:
     if len({tuple(sorted(normalised(c).items())) for c in configs}) < len(configs):
         raise ValueError(f"--grid {axes}: the same config twice (values compared as brorl.py reads them: 1e-4 == 0.0001)")
     return configs
+
+
+def split_values(values: str) -> list:
+    """An axis item's values, split at each comma that no backslash escapes: a value that holds a
+    comma writes it as \\, (lora_targets=q_proj\\,v_proj,q_proj is two values)."""
+    return [v.replace("\\,", ",") for v in re.split(r"(?<!\\),", values)]
 
 
 def normalised(config: dict) -> dict:
@@ -124,7 +132,8 @@ def normalised(config: dict) -> dict:
 
 def config_label(config: dict) -> str:
     """Directory name of a config: flag=value pairs; a path value is named by its last part."""
-    return ",".join(f"{k}={Path(v).name if '/' in v else v}" for k, v in config.items()) or "base"
+    name = lambda v: (Path(v).name if "/" in v else v).replace(",", "+")  # a value's comma: "+"
+    return ",".join(f"{k}={name(v)}" for k, v in config.items()) or "base"
 
 
 def run_argv(config: dict, seed: int, run_dir: Path, passthrough: list[str]) -> list[str]:
@@ -407,10 +416,32 @@ def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> 
     result["paired_mass"] = [x for x in (paired_mass(result, a, b) for a, b in pairs
                                          if configs[a]["runs"] and configs[b]["runs"]) if x]
     stem = out / "summary"  # <out>/summary.{md,json,png}
+    keep_other_summary(stem, command)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     stem.with_suffix(".md").write_text(summary_markdown(result))
     plot_summary(result, stem.with_suffix(".png"))
     return result
+
+
+def keep_other_summary(stem: Path, command: str):
+    """The summary of another command (another grid on the same --out) is not replaced in silence: it
+    is kept beside, as summary.<its time>.{md,json,png}, and said. The same command's is replaced."""
+    old = stem.with_suffix(".json")
+    if not old.is_file():
+        return
+    try:
+        previous = json.loads(old.read_text())
+        previous, n = previous.get("command"), len(previous.get("configs", {}))
+    except (OSError, ValueError, AttributeError):
+        previous, n = None, 0
+    if previous == command:
+        return
+    tag = time.strftime("%Y%m%d-%H%M%S", time.localtime(old.stat().st_mtime))
+    for ext in (".md", ".json", ".png"):
+        if stem.with_suffix(ext).is_file():
+            os.replace(stem.with_suffix(ext), stem.with_name(f"summary.{tag}{ext}"))
+    print(f"{stem}.md held another command's summary ({n} configs, `{previous}`): kept as "
+          f"summary.{tag}.md (.json, .png)")
 
 
 def summary_markdown(result: dict) -> str:

@@ -81,7 +81,7 @@ class Config:
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
-    long_prompts: str = "refuse"  # prompt + max_new_tokens over the model's positions: refuse, drop
+    long_prompts: str = "refuse"  # prompt + new tokens past the model's positions: refuse, drop, allow
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # rounds a step, at most (then < B groups); each draws distinct prompts anew

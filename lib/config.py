@@ -319,8 +319,8 @@ def check_config(cfg) -> str:
         # torch.manual_seed takes 64 bits; a larger seed would overflow inside it, after the checks
         (max(abs(cfg.seed), abs(cfg.eval_seed)) < 2**63,
          f"--seed {cfg.seed}, --eval_seed {cfg.eval_seed}: need |seed| < 2**63"),
-        (cfg.long_prompts in ("refuse", "drop"),
-         f"--long_prompts {cfg.long_prompts!r}: choose refuse or drop"),
+        (cfg.long_prompts in ("refuse", "drop", "allow"),
+         f"--long_prompts {cfg.long_prompts!r}: choose refuse, drop or allow"),
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
         (cfg.grad_clip > 0, f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the gradient, 0 zeroes it)"),

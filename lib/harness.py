@@ -415,13 +415,16 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/ or one line
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
+    if cfg.system_prompt and not tok.chat_template:
+        fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
     positions = getattr(model.config, "max_position_embeddings", None)
     eval_new = max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # the eval's and the probe's
     eval_flag, eval_source = ("--eval_task", cfg.eval_task) if cfg.eval_task else ("--task", cfg.task)
-    held_out, longest = fit_context(cfg, held_out, eval_flag, eval_source, eval_new, tok, positions)
+    held_out, longest = fit_context(cfg, held_out, f"{eval_flag} {eval_source}: held-out", eval_new, tok,
+                                    positions)
     if train_set is not None:
-        train_set, longest_train = fit_context(cfg, train_set, "--task", cfg.task, cfg.max_new_tokens,
-                                               tok, positions)
+        train_set, longest_train = fit_context(cfg, train_set, f"--task {cfg.task}: training",
+                                               cfg.max_new_tokens, tok, positions)
         check_train_size(cfg, train_set)
         longest = max(longest, longest_train)
     eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
@@ -432,8 +435,6 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
         cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
     if bad := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
-    if cfg.system_prompt and not tok.chat_template:
-        fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
     return cfg, device, train_set, eval_set, model, tok, longest
 
 
@@ -445,11 +446,13 @@ def check_train_size(cfg, train_set: list):
              f"--prompts_per_step {cfg.prompts_per_step} (a step trains on B distinct prompts)")
 
 
-def fit_context(cfg, rows: list, flag: str, source: str, max_new: int, tok, positions) -> tuple:
+def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tuple:
     """(rows, the longest prompt's tokens): every prompt checked, with max_new new tokens, against the
     model's context (`positions`, its max_position_embeddings; None: unknown, nothing checked). A
-    prompt past it stops with one line naming its row and length, or with --long_prompts drop is
-    dropped, with a count. The tokenizer's own warning about length is left unsaid: this is the word."""
+    prompt past it stops with one line naming its row (`where`: the flag, source and split) and its
+    length; --long_prompts drop drops such rows, allow keeps them (rotary positions extend past the
+    config's: the embedded model's 64 and a math prompt), each with a count. The tokenizer's own
+    warning about length is left unsaid: this is the word."""
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -459,19 +462,21 @@ def fit_context(cfg, rows: list, flag: str, source: str, max_new: int, tok, posi
     too_long = [i for i, n in enumerate(lengths) if positions and n + max_new > positions]
     if too_long and cfg.long_prompts == "refuse":
         i = too_long[0]
-        fail(f"{flag} {source}: row {i} ({rows[i]['prompt'][:30]!r}...) is {lengths[i]} tokens, + "
-             f"{max_new} new > the model's {positions} positions; {len(too_long)} row(s) are too long "
-             f"(--long_prompts drop drops them)")
-    if too_long:
-        if distributed.is_main():
-            tqdm.write(f"{flag} {source}: dropped {len(too_long)} of {len(rows)} rows, longer than the "
-                       f"model's {positions} positions with {max_new} new tokens (--long_prompts drop)")
+        fail(f"{where} row {i} ({rows[i]['prompt'][:24]!r}...) is {lengths[i]} tokens: + {max_new} "
+             f"new > the model's {positions} positions, as are {len(too_long) - 1} more (--long_prompts "
+             "drop drops them, allow keeps them)")
+    if too_long and distributed.is_main():
+        tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's {positions} "
+                   f"positions with {max_new} new tokens: "
+                   + ("dropped (--long_prompts drop)" if cfg.long_prompts == "drop" else
+                      "kept (--long_prompts allow)"))
+    if too_long and cfg.long_prompts == "drop":
         dropped = set(too_long)
         rows = [r for i, r in enumerate(rows) if i not in dropped]
         lengths = [n for i, n in enumerate(lengths) if i not in dropped]
         if not rows:
-            fail(f"{flag} {source}: every row is longer than the model's {positions} positions "
-                 f"with {max_new} new tokens")
+            fail(f"{where} every row is longer than the model's {positions} positions with "
+                 f"{max_new} new tokens")
     return rows, max(lengths, default=0)
 
 
@@ -736,7 +741,8 @@ def plan(cfg) -> list:
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
     positions = getattr(model_config, "max_position_embeddings", None)  # every prompt is planned for
-    train_set, longest = fit_context(cfg, train_set, "--task", cfg.task, cfg.max_new_tokens, tok, positions)
+    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training", cfg.max_new_tokens,
+                                     tok, positions)
     planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True, prompt_tokens=longest)
     if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
         print()

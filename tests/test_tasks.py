@@ -149,7 +149,8 @@ def test_prompt_text_with_and_without_a_chat_template():
 # end to end on the CPU: a gsm8k run, --eval_only, the evaluation's own random stream
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--max_rounds", "2", "--eval_prompts", "3",
-        "--eval_samples", "6", "--probe_prompts", "2", "--max_new_tokens", "6", "--max_rows", "64"]
+        "--eval_samples", "6", "--probe_prompts", "2", "--max_new_tokens", "6", "--max_rows", "64",
+        "--long_prompts", "allow"]  # a math prompt is past the embedded model's 64 positions
 
 
 @pytest.fixture(scope="module")

@@ -754,7 +754,7 @@ def _math_verify_accepts(answer, gold):
         return False
     mv = _load_math_verify()
     try:
-        parsed_gold, timeout = _math_verify_gold(gold)
+        parsed_gold, timeout = _math_verify_gold(mv, gold)
         parsed = mv.parse("\\boxed{" + answer + "}", parsing_timeout=timeout)
         return bool(mv.verify(parsed_gold, parsed, timeout_seconds=timeout))
     except Exception:  # its timeouts and parse errors alike: no second yes
@@ -762,9 +762,9 @@ def _math_verify_accepts(answer, gold):
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _math_verify_gold(gold):
-    """A gold as math-verify parses it, once per gold (not once per rollout), and the timeout of the
-    calls that compare with it: MV_DECIDED_TIMEOUT_S where the rules read the gold as an exact number
+def _math_verify_gold(mv, gold):
+    """A gold as math-verify (the module mv) parses it, once per gold, not once per rollout, and the
+    timeout of the calls that compare with it: MV_DECIDED_TIMEOUT_S where the rules read it as a number
     (they have already judged every answer that is one; math-verify is a second opinion on symbolic
     forms, and an answer like 1000000! would otherwise cost its whole 5 s), else MV_TIMEOUT_S."""
     g = gold.strip()
@@ -772,7 +772,7 @@ def _math_verify_gold(gold):
         numeric = 0 < len(g) <= MAX_ANSWER and (_INT.fullmatch(g) or _value(_normalize(g))[0] == "num")
     except Exception:  # (the rules never raise on a gold; if they did, the longer timeout)
         numeric = False
-    parsed = _load_math_verify().parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)
+    parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)
     return parsed, MV_DECIDED_TIMEOUT_S if numeric else MV_TIMEOUT_S
 
 # ----------------------------------------------------------------------------- benchmark

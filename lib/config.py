@@ -209,20 +209,21 @@ def evaluated_step(run: Path) -> int:
     return max(steps)
 
 
-# Fields added to Config after --resume was, each with the value that reproduces the code before it
-# (... : its default; a function: of the run's own config): a run written before one lacks it and
-# resumes as it ran, said and recorded. None: no value reproduces the old code (dual-clip has no
-# "off"), so the missing field is named, as any other is (a config.json edited by hand).
+# The fields of every config.json since --resume began (the commit that added it): one of them missing
+# is an edit, named in one line (today's default would change the run in silence).
+FIELDS_SINCE_RESUME = (
+    "model", "task", "digits", "dtype", "device", "seed", "n_rollouts", "prompts_per_step",
+    "max_new_tokens", "temperature", "top_p", "max_rows", "dynamic_sampling", "max_rounds", "adv_norm",
+    "lr", "weight_decay", "n_minibatches", "micro_batch", "old_logp", "clip_low", "clip_high",
+    "loss_agg", "kl_coef", "ref_reset_every", "grad_clip", "steps", "eval_every", "eval_prompts",
+    "eval_samples", "probe_prompts", "save")
+# A later field missing means a run older than it: it resumes with its default (a new flag's default
+# is the code before it), said and recorded; except these, whose value reproducing the code before
+# them is another (a function: of the run's own config), or None: no value does (dual-clip has no
+# "off"), and the missing field is named as an edited one is.
 ADDED_FIELDS = {
-    "eval_task": ..., "eval_overlap": ..., "system_prompt": ..., "eval_max_new_tokens": ...,
-    "eval_only": ..., "train_rollouts": ..., "lora_rank": ..., "lora_alpha": ...,
-    "lora_targets": ...,
-    "grad_ckpt": ..., "memory_gb": ..., "plan": ..., "loss": ..., "gspo_clip_low": ...,
-    "gspo_clip_high": ..., "clip_ratio_c": None, "tis_cap": 0.0, "verifier": "rules",
-    "time_budget": ..., "budget_clock": ..., "mass_prompts": ..., "gate_small_n": ...,
-    "gate_large_n": ..., "sample_prompts": 0, "sample_responses": ..., "sample_groups": ...,
-    "report_to": ..., "init_from": ..., "init_optimizer": ..., "long_prompts": ...,
-    "resume": ..., "out": ..., "preset": ...,
+    "clip_ratio_c": None, "tis_cap": 0.0, "verifier": "rules",  # before dual-clip, TIS, math-verify
+    "sample_prompts": 0,  # before samples.jsonl
     "probe_samples": lambda run: run.get("n_rollouts"),  # the probe drew N rollouts a prompt
     "eval_seed": lambda run: run.get("seed"),  # --seed drew the held-out problems
 }
@@ -233,14 +234,14 @@ def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dic
     than the code that wrote the run) the value that reproduces that code, noted; any other missing
     field stops with one line naming it: today's default would change the run in silence."""
     missing = [k for k in defaults if k not in base]
-    if lost := [k for k in missing if k not in overrides and ADDED_FIELDS.get(k) is None]:
+    must_be_given = lambda k: k in FIELDS_SINCE_RESUME or (k in ADDED_FIELDS and ADDED_FIELDS[k] is None)
+    if lost := [k for k in missing if k not in overrides and must_be_given(k)]:
         parser.error(f"--resume {run}: its config.json lacks {', '.join(lost)} (edited, or older "
                      f"than the field): give the run's value, e.g. --{lost[0]} <value>")
     values = {}
     for k in missing:
-        old = ADDED_FIELDS.get(k)
-        values[k] = overrides[k] if k in overrides else defaults[k] if old is ... else \
-            old(base) if callable(old) else old
+        old = ADDED_FIELDS.get(k, defaults[k])
+        values[k] = overrides[k] if k in overrides else old(base) if callable(old) else old
     if said := [k for k in missing if k not in ("resume", "out", "preset")]:
         notes.append(f"--resume {run}: its config.json lacks " + ", ".join(
             f"--{k} (taken as {values[k]!r})" for k in said) + "; recorded in config_history.jsonl")

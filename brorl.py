@@ -376,10 +376,10 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            answer_set=()) -> dict:
+            followed=()) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
     replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
-    answer_set: with --mass_balance, the prompts whose Q is followed when not trained."""
+    followed: with --mass_balance, the prompts whose Q is followed when not trained."""
     replica.eval()
     t0 = time.perf_counter()
     with autocast(cfg, replica.device):  # no weight changes while sampling: the region's cache is valid
@@ -400,7 +400,7 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
         batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
         if cfg.mass_balance:  # instrumented: the answer distributions before the update (lib/balance.py)
             trained, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
-            others = [x for x in answer_set if x["prompt"] not in trained]
+            others = [x for x in followed if x["prompt"] not in trained]
             snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept], others, space)
             before = snapshot()
         model.train()
@@ -499,7 +499,7 @@ def train(cfg: Config) -> list:
                 first = logp if first is None else first
                 mq.update(answers.eval_metrics(logp, right, first))
                 if distributed.is_main():
-                    answers.save(run.out, step, logp)
+                    answers.save(run.out, step, logp, answer_set)
         return {**m, **mq}, q
 
     if start == 0:
@@ -509,7 +509,7 @@ def train(cfg: Config) -> list:
         with run.clock:  # training time: evaluations and checkpoints excluded
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg, run.train_set, rng, step,
-                                             gen_cpu, keep_est, answer_set)}
+                                             gen_cpu, keep_est, exact_set)}
             except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
                 fail(f"step {step}: {e}")
             keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]  # dynamic sampling's expected keep rate

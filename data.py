@@ -59,6 +59,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
 EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"  # rarer still (~0.1%): the far end of the difficulty map
+EMBEDDED_MODEL_SETS = ASSETS / "tiny-sets"  # the sets task: many right values a prompt, each rare
 EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"  # the keys task: each prompt's right mass set apart (log-uniform)
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema (task math:)
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
@@ -166,6 +167,39 @@ def keys_problems() -> list[dict]:
 
 
 # ----------------------------------------------------------------------------
+# The sets task: many right answers per prompt, each rare, in an answer space small enough to enumerate
+#
+# Theorem 1's unsampled term needs right answers that a trained group did not draw while it drew
+# others; a prompt with one right answer (keys) never has them (dynamic sampling trains only groups
+# that drew it). Here each prompt "s<two letters>=" has SETS_RIGHT right values and SETS_DECOYS
+# decoys among the 900 values 100..999, every set drawn independently (no prompt's answers predict
+# another's), so the whole answer distribution is 900 sequences a prompt, enumerable exactly
+# (lib/answers.py). Verified by the integer rule against the set (verify.py task "sets").
+
+SETS_N, SETS_RIGHT, SETS_DECOYS = 256, 16, 4  # prompts; right values and wrong decoys per prompt
+SETS_VALUES = range(100, 1000)  # the answer space: every 3-digit value
+SETS_P_RIGHT = (3e-4, 0.3)  # the warm start's mixture: the right set's weight, log-uniform here
+SETS_BACKGROUND = 0.1  # the mixture's weight spread evenly over the values neither right nor decoy
+
+
+def sets_problems() -> list[dict]:
+    """The 256 prompts of the sets task: each its right values (the gold, comma-separated), its
+    decoys and the warm start's weight of the right set (p_right). A function of nothing."""
+    rng = random.Random("sets")
+    names = rng.sample([a + b for a in "abcdefghijklmnopqrstuvwxyz"
+                        for b in "abcdefghijklmnopqrstuvwxyz"], SETS_N)
+    lo, hi = map(math.log, SETS_P_RIGHT)
+    out = []
+    for name in names:
+        values = rng.sample(SETS_VALUES, SETS_RIGHT + SETS_DECOYS)  # independent of every other prompt
+        right = sorted(values[:SETS_RIGHT])
+        out.append(dict(prompt=f"s{name}=", answer=",".join(map(str, right)), task="sets",
+                        decoys=[str(v) for v in values[SETS_RIGHT:]],
+                        p_right=math.exp(rng.uniform(lo, hi))))
+    return out
+
+
+# ----------------------------------------------------------------------------
 # One entry point for brorl.py
 
 
@@ -177,8 +211,8 @@ def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits
     arith problems; else n drawn with `seed`."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
-    if task == "keys":  # one set of prompts: every split is all of it (train = eval, by design)
-        rows = keys_problems()
+    if task in ("keys", "sets"):  # one set of prompts: every split is all of it (train = eval)
+        rows = keys_problems() if task == "keys" else sets_problems()
         return rows if n is None else random.Random(seed).sample(rows, min(n, len(rows)))
     if task == "arith":
         if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
@@ -300,7 +334,7 @@ def build_rehearsal(out: str, layers: int = 2, seed: int = 0):
 @dataclass
 class WarmStart:
     out: str = str(EMBEDDED_MODEL)  # output directory (Hugging Face format)
-    task: str = "arith"  # arith (addition, then the mixture), or keys (equal weights, then the mixture)
+    task: str = "arith"  # arith (addition, then the mixture), keys or sets (a lookup, then the mixture)
     p_correct: float = 0.25  # probability that a mixture answer is the correct one
     slips: str = SLIPS  # the mixture's wrong procedures (names in PROCEDURES), drawn uniformly
     seed: int = 0  # seeds the init, the problems, the mixture draws and the eval sampling
@@ -318,8 +352,8 @@ class WarmStart:
 
     def __post_init__(self):
         """Every number's range (a ValueError naming the flag): a bad one would fail mid-build or build wrong."""
-        if self.task not in ("arith", "keys"):
-            raise ValueError(f"--task {self.task!r}: choose arith or keys")
+        if self.task not in ("arith", "keys", "sets"):
+            raise ValueError(f"--task {self.task!r}: choose arith, keys or sets")
         if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
             raise ValueError(f"--slips: unknown {bad}; choose among {[k for k in PROCEDURES if k != 'correct']}")
         checks = [(0 <= self.p_correct <= 1, "--p_correct: need a probability in [0, 1]"),
@@ -347,6 +381,9 @@ VARIANTS = {  # `python data.py build` builds them all
     # digits' marginals for 1,500 steps), all five values equally, then the mixture (the right value
     # p_right, log-uniform in KEYS_P_RIGHT; each decoy a quarter of the rest). A short third phase leaves
     # each prompt's Q on its way from 1/5 towards its p_right: spread over decades.
+    # sets: the decoys' lookup first (phase 1), then the mixture (data.warm_start_sets)
+    "sets": dict(out=str(EMBEDDED_MODEL_SETS), task="sets", steps_addition=1500, steps_mixture=400,
+                 batch_size=64, lr=1e-3),
     "keys": dict(out=str(EMBEDDED_MODEL_KEYS), task="keys", steps_addition=1000, steps_equal=300, steps_mixture=300,
                  batch_size=64, lr=1e-3),
 }
@@ -512,6 +549,61 @@ def warm_start_keys(cfg: WarmStart):
     return report, model, tok
 
 
+def warm_start_sets(cfg: WarmStart):
+    """The sets model, supervised in expectation (every weighted value's sequence cross-entropy, not
+    draws). Phase 1 (steps_addition): the decoys alone, equally: the lookup is learnt on wrong
+    values, so nothing right is learnt and then suppressed. Phase 2 (steps_mixture): the right set
+    p_right (each value an equal share), the decoys 1 - p_right - SETS_BACKGROUND, the background
+    SETS_BACKGROUND over every other value (8 of them drawn a prompt a step: unbiased). Report: each
+    prompt's exact Q (the right values' mass, summed) and its spread over the zones."""
+    torch.set_num_threads(cfg.threads)
+    tok, problems = build_tokenizer(), sets_problems()
+    model = build_model(tok, cfg.seed)
+    print(f"warm start (sets) -> {cfg.out}: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.steps_addition + cfg.steps_mixture
+    rng, t0 = random.Random(f"warmstart-sets-{cfg.seed}"), time.process_time()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 1.0))
+    n_background = 8
+
+    def rows_of(p, step):  # (value, weight) pairs of one prompt at this step
+        decoys = [(v, 1 / SETS_DECOYS) for v in p["decoys"]]
+        if step < cfg.steps_addition:
+            return decoys
+        right = p["answer"].split(",")
+        taken = set(right) | set(p["decoys"])
+        others = rng.sample([str(v) for v in SETS_VALUES if str(v) not in taken], n_background)
+        w_decoy = (1 - p["p_right"] - SETS_BACKGROUND) / SETS_DECOYS
+        return ([(v, p["p_right"] / SETS_RIGHT) for v in right] + [(v, w_decoy) for v, _ in decoys]
+                + [(v, SETS_BACKGROUND / n_background) for v in others])
+
+    for step in range(steps):
+        batch = rng.sample(problems, cfg.batch_size)
+        rows = [(p["prompt"], v, w) for p in batch for v, w in rows_of(p, step)]
+        prompts, answers, w = zip(*rows)
+        ids, mask = tokenize_batch(tok, list(prompts), list(answers))  # (rows, T), (rows, T-1)
+        logits = model(input_ids=ids).logits[:, :-1]  # (rows, T-1, V)
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # (rows, T-1)
+        loss = -(torch.tensor(w) * (logp * mask).sum(1)).sum() / len(batch)  # per prompt
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d} loss {loss.item():.4f} {time.process_time() - t0:.0f} CPU s",
+                  flush=True)
+    model.eval()
+    prompts = [p["prompt"] for p in problems for _ in range(SETS_RIGHT)]
+    answers = [v for p in problems for v in p["answer"].split(",")]
+    logp = answer_logprobs(model, tok, prompts, answers).view(SETS_N, SETS_RIGHT)  # (P, right)
+    log10_q = torch.logsumexp(logp, 1) / math.log(10)  # (P,)
+    report = dict(config=asdict(cfg), train_cpu_seconds=round(time.process_time() - t0, 1),
+                  log10_q=[round(x, 4) for x in log10_q.tolist()], spread=keys_spread(log10_q),
+                  right_value_below_1_512=round((logp < -math.log(512)).double().mean().item(), 4))
+    return report, model, tok
+
+
 def keys_spread(log10_q: torch.Tensor) -> dict:
     """Percentiles of log10 Q and the prompts per zone: Q >= 1/16 (N = 16 samples it), 1/512 <= Q < 1/16
     (N = 512 does, N = 16 mostly not: the gate), below (neither)."""
@@ -580,9 +672,10 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
     for name, cfg in cfgs.items():
-        report, model, tok = (warm_start_keys if cfg.task == "keys" else warm_start)(cfg)
+        build = dict(keys=warm_start_keys, sets=warm_start_sets).get(cfg.task, warm_start)
+        report, model, tok = build(cfg)
         save(model, tok, cfg, report)
-        if cfg.task == "keys":
+        if cfg.task in ("keys", "sets"):
             print(f"{name} -> {cfg.out} ({report['train_cpu_seconds']:.0f} CPU s), log10 Q:", report["spread"])
             continue
         print(f"{name} -> {cfg.out} ({report['train_seconds']:.0f}s of training), held-out:")

@@ -26,7 +26,7 @@ from lib.config import fail
 from lib.policy import response_logprobs
 from sampler import encode_prompt
 
-CANONICAL_TASKS = ("arith", "keys")  # tasks whose right answer is one token sequence
+CANONICAL_TASKS = ("arith", "keys", "sets")  # tasks whose right answers are listed token sequences
 
 
 def prompt_set(cfg, eval_set) -> list:
@@ -40,7 +40,7 @@ def prompt_set(cfg, eval_set) -> list:
             cfg.task, "train", n=cfg.mass_prompts, seed=cfg.eval_seed, digits=cfg.digits)
     except ValueError as e:  # more than an arith split holds (few digits)
         fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
-    return rows if all(x["task"] == "arith" for x in rows) else []  # e.g. --eval_task math:...: no exact Q
+    return rows if all(x["task"] in ("arith", "sets") for x in rows) else []  # e.g. --eval_task math:...: no exact Q
 
 
 def ids_batch(prompts: list, responses: list, dev) -> dict:
@@ -70,8 +70,15 @@ def sequence_log_mass(model, prompts: list, responses: list, temperature: float,
 
 
 def exact_log_mass(model, tok, examples, temperature: float, system_prompt: str = "") -> torch.Tensor:
-    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS."""
+    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS; for
+    the sets task, of each of its right values (the gold's comma-separated list), summed."""
     prompts = [encode_prompt(tok, x["prompt"], system_prompt) for x in examples]
+    if any(x["task"] == "sets" for x in examples):
+        values = [x["answer"].split(",") for x in examples]
+        owner = torch.tensor([i for i, v in enumerate(values) for _ in v])  # (rows,) its example
+        rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for v in values for a in v]
+        logp = sequence_log_mass(model, [prompts[i] for i in owner.tolist()], rows, temperature)  # (rows,)
+        return torch.stack([torch.logsumexp(logp[owner == i], 0) for i in range(len(examples))])
     answers = [tok(x["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in examples]
     return sequence_log_mass(model, prompts, answers, temperature)
 

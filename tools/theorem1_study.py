@@ -1,0 +1,304 @@
+"""
+theorem1_study.py: Theorem 1 inside a transformer. Every run is a `python brorl.py` in a subprocess,
+one thread, from the shipped warm start, its steps fixed (equal steps within a sweep) and a cap of
+process CPU seconds (--cap) so that no run can run away. Three sweeps, --seeds a config:
+
+  nalone  the theorem's comparison, N alone: the sets task, B = 8, N in 4, 16, 64, 512, equal steps,
+          --mass_balance on (each trained group's four parts and the theorem's terms, lib/balance.py)
+  iso     equal rollouts a step (IsoCompute's axis): the sets task, N x B = 1,024: 16 x 64, 64 x 16,
+          512 x 2, equal steps
+  keys2x2 the keys task (one right answer a prompt): N 16 / 512 x B 4 / 16, equal steps: what N
+          and B each do where the unsampled right term cannot act
+
+Runs go seed by seed (every config's seed 0, then seed 1, ...), so a study cut short is balanced.
+Each run's metrics.jsonl, the raw result, is copied to <raw>/<sweep>/<config>/seed<S>.jsonl as soon
+as the run ends; a rerun of the command skips every run whose raw file exists. --report reads the
+raw files alone: the tables (markdown, to stdout and <raw>/report.md), the tests, and the figure
+<raw>/figure3.png (Figure 3's three panels by N, seeds shaded, beside the free-logit simulation's).
+
+Statistics. Runs of two configs share no random draws (each seed's rollouts depend on N and B), so
+configs are compared unpaired: the exact two-sided Mann-Whitney (permutation) test on the per-seed
+values, and Welch's t for the difference of means (its p from the t distribution by integration).
+
+  python -m tools.theorem1_study --out runs/theorem1                 # all three sweeps, 5 seeds
+  python -m tools.theorem1_study --out runs/theorem1 --only nalone --seeds 0 1
+  python -m tools.theorem1_study --report                            # tables and figure from <raw>
+"""
+
+import argparse
+import itertools
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from tools import ablate
+
+HERE = Path(__file__).resolve().parent.parent
+RAW = HERE / "assets" / "theorem1"
+SETS = ["--preset", "sets", "--lr", "2e-4", "--eval_samples", "4", "--probe_prompts", "4",
+        "--probe_samples", "64", "--save", "0"]
+SWEEPS = {  # name: (configs as flag lists, the flags common to the sweep)
+    "nalone": ([["--n_rollouts", str(n), "--prompts_per_step", "8"] for n in (4, 16, 64, 512)],
+               [*SETS, "--mass_balance", "1"]),
+    "iso": ([["--n_rollouts", str(n), "--prompts_per_step", str(b)] for n, b in
+             ((16, 64), (64, 16), (512, 2))], SETS),
+    "keys2x2": ([["--n_rollouts", str(n), "--prompts_per_step", str(b)] for n in (16, 512)
+                 for b in (4, 16)], ["--preset", "keys", "--lr", "2e-4", "--save", "0"]),
+}
+
+
+def label(flags: list) -> str:
+    """A config's name from its flags: N=16,B=8."""
+    named = dict(zip(flags[::2], flags[1::2]))
+    return f"N={named['--n_rollouts']},B={named['--prompts_per_step']}"
+
+
+def run(sweep: str, flags: list, common: list, seed: int, steps: dict, out: Path, raw: Path,
+        cap: float) -> bool:
+    """One run, unless its raw file exists; its metrics.jsonl copied to the raw file when it ends."""
+    name = label(flags)
+    target = raw / sweep / name / f"seed{seed}.jsonl"
+    if target.is_file():
+        return True
+    run_dir = out / sweep / name / f"seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a killed run starts over
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    n = steps[sweep]
+    argv = [*common, *flags, "--seed", str(seed), "--steps", str(n), "--eval_every", str(n // 4),
+            "--time_budget", str(cap), "--budget_clock", "cpu", "--out", str(run_dir)]
+    print(f"{sweep} {name} seed {seed}: python brorl.py {' '.join(argv)}", flush=True)
+    with open(out / sweep / f"{name}-seed{seed}.log", "w") as log:
+        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=log,
+                              stderr=subprocess.STDOUT, env=ablate.thread_env(1)).returncode
+    if code != 0:
+        print(f"  failed (exit {code}): {out / sweep / f'{name}-seed{seed}.log'}", flush=True)
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    rows = ablate.read_rows(run_dir)
+    tmp.write_text("".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n"
+                           for r in rows))
+    tmp.rename(target)
+    return True
+
+
+# ----------------------------------------------------------------------------
+# The report: from the raw files alone
+
+
+def mann_whitney(a: list, b: list) -> float:
+    """Exact two-sided Mann-Whitney p: the share of the C(n, k) relabellings whose U is at least as
+    far from its mean as the observed one (ties count a half)."""
+    pooled = a + b
+
+    def u(xs, ys):
+        return sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
+
+    centre, seen = len(a) * len(b) / 2, abs(u(a, b) - len(a) * len(b) / 2)
+    splits = list(itertools.combinations(range(len(pooled)), len(a)))
+    hits = 0
+    for idx in splits:
+        xs = [pooled[i] for i in idx]
+        ys = [pooled[i] for i in range(len(pooled)) if i not in idx]
+        hits += abs(u(xs, ys) - centre) >= seen - 1e-12
+    return hits / len(splits)
+
+
+def welch(a: list, b: list) -> tuple:
+    """Welch's t and its two-sided p (the t density integrated numerically; df by Welch-Satterthwaite)."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return float("nan"), float("nan")
+    t = (statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    dens = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)
+    x, h, tail = abs(t), 1e-3, 0.0  # the tail by the trapezoid rule out to |t| + 200
+    while x < abs(t) + 200:
+        tail += h * (dens(x) + dens(x + h)) / 2
+        x += h
+        h = min(h * 1.01, 0.5)
+    return t, min(1.0, 2 * tail)
+
+
+def read(raw: Path) -> dict:
+    """{sweep: {config: {seed: rows}}} from the raw files."""
+    out = {}
+    for path in sorted(raw.glob("*/*/seed*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out.setdefault(path.parent.parent.name, {}).setdefault(path.parent.name, {})[
+            int(path.stem[4:])] = rows
+    return out
+
+
+def sets_measures(rows: list) -> dict:
+    """A sets run's measures: the last eval's Figure 3 panels and mean Q against the first's; the
+    mass balance over its steps (a nalone run); rollouts and steps."""
+    evals = [r for r in rows if "answers_q" in r]
+    first, last = evals[0], evals[-1]
+    steps = [r for r in rows if r["step"] > 0]
+    m = dict(q_start=first["answers_q"], q_end=last["answers_q"],
+             dq=last["answers_q"] - first["answers_q"], right_rose=last["answers_right_rose"],
+             worst_drop=last["answers_right_worst_drop"], pass1024=last["answers_pass@1024"],
+             pass1024_start=first["answers_pass@1024"], entropy=last["answers_entropy"],
+             samples=sum(r["samples"] for r in steps), steps=len(steps))
+    groups = [g for r in steps for g in r.get("balance_groups", [])]
+    if groups:
+        du = [g["U_pos_after"] - g["U_pos_before"] for g in groups]
+        has_u = [(g, d) for g, d in zip(groups, du) if g["U_pos_before"] > 0]
+        m.update(groups=len(groups), term3_neg=sum(g["term3"] < 0 for g in groups) / len(groups),
+                 du_pos_mean=statistics.mean(du), du_pos_fell=sum(d < 0 for d in du) / len(du),
+                 u_pos_share=statistics.mean(g["U_pos_before"] / max(g["q_before"], 1e-300)
+                                             for g in groups),
+                 sign_agree=sum((g["pred_du_pos"] < 0) == (d < 0) for g, d in has_u)
+                 / max(len(has_u), 1),
+                 corr=pearson([g["pred_du_pos"] for g, _ in has_u], [d for _, d in has_u]),
+                 dq_trained=statistics.mean(g["q_after"] - g["q_before"] for g in groups),
+                 others_dlog10q=statistics.mean(r["balance_others_dlog10q"] for r in steps
+                                                if "balance_others_dlog10q" in r))
+    return m
+
+
+def keys_measures(rows: list) -> dict:
+    evals = [r for r in rows if "mass_exact_mean" in r]
+    steps = [r for r in rows if r["step"] > 0]
+    gate = lambda r: r["mass_exact_gate"]
+    return dict(q_start=evals[0]["mass_exact_mean"], q_end=evals[-1]["mass_exact_mean"],
+                dq=evals[-1]["mass_exact_mean"] - evals[0]["mass_exact_mean"],
+                gate_end=gate(evals[-1]), samples=sum(r["samples"] for r in steps), steps=len(steps))
+
+
+def pearson(x: list, y: list) -> float:
+    if len(x) < 3 or statistics.pstdev(x) == 0 or statistics.pstdev(y) == 0:
+        return float("nan")
+    return statistics.correlation(x, y)
+
+
+def table(title: str, configs: dict, keys: list) -> list:
+    """A markdown table: per config the mean (sd) over seeds of each measure, and the seed count."""
+    lines = [f"### {title}", "", "| config | seeds | " + " | ".join(keys) + " |",
+             "|---" * (len(keys) + 2) + "|"]
+    for name, runs in configs.items():
+        cells = []
+        for k in keys:
+            xs = [r[k] for r in runs.values() if k in r and not math.isnan(r[k])]
+            cells.append(f"{statistics.mean(xs):.4g} ({statistics.stdev(xs):.2g})" if len(xs) > 1
+                         else f"{xs[0]:.4g}" if xs else "-")
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def tests(configs: dict, key: str, base: str) -> list:
+    """Each config against `base` on one measure: difference of means, Welch t and p, exact MW p."""
+    lines = [f"{key}, each config against {base} (unpaired):", ""]
+    a = [r[key] for r in configs[base].values()]
+    for name, runs in configs.items():
+        b = [r[key] for r in runs.values()]
+        if name == base or len(a) < 2 or len(b) < 2:
+            continue
+        t, p = welch(b, a)
+        lines.append(f"- {name}: {statistics.mean(b) - statistics.mean(a):+.4g} "
+                     f"(Welch t {t:.2f}, p {p:.3g}; Mann-Whitney p {mann_whitney(b, a):.3g}; "
+                     f"{len(b)} vs {len(a)} seeds)")
+    return lines + [""]
+
+
+def report(raw: Path) -> str:
+    data = read(raw)
+    lines = []
+    order = lambda d: dict(sorted(d.items(), key=lambda kv: int(kv[0].split(",")[0][2:])))
+    for sweep in ("nalone", "iso"):
+        if sweep not in data:
+            continue
+        configs = {c: {s: sets_measures(rows) for s, rows in runs.items()}
+                   for c, runs in order(data[sweep]).items()}
+        lines += table(f"{sweep}: the answer distribution, first eval -> last", configs,
+                       ["q_start", "q_end", "dq", "right_rose", "worst_drop", "pass1024_start",
+                        "pass1024", "entropy", "samples"])
+        base = next(iter(configs))
+        lines += tests(configs, "dq", base) + tests(configs, "right_rose", base)
+        if sweep == "nalone":
+            lines += table("nalone: the mass balance, over every trained group of every step",
+                           configs, ["groups", "u_pos_share", "term3_neg", "du_pos_mean",
+                                     "du_pos_fell", "sign_agree", "corr", "dq_trained",
+                                     "others_dlog10q"])
+            lines += tests(configs, "du_pos_mean", base)
+    if "keys2x2" in data:
+        configs = {c: {s: keys_measures(rows) for s, rows in runs.items()}
+                   for c, runs in data["keys2x2"].items()}
+        lines += table("keys2x2: mean exact Q of the 512 prompts", configs,
+                       ["q_start", "q_end", "dq", "gate_end", "samples"])
+        lines += tests(configs, "dq", "N=16,B=4")
+    text = "\n".join(lines)
+    (raw / "report.md").write_text(text + "\n")
+    return text
+
+
+def figure(raw: Path) -> None:
+    """Figure 3 for a transformer: Q, the share of right answers that rose, the worst drop, each by N
+    at every eval (mean over seeds, the seeds' range shaded), beside the free-logit simulation's
+    figure (assets/massbalance/simulation.png, tools/massbalance.py)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = read(raw).get("nalone", {})
+    panels = [("answers_q", "Q (mean over prompts)"),
+              ("answers_right_rose", "share of right answers that rose"),
+              ("answers_right_worst_drop", "worst drop of a right answer")]
+    sim = HERE / "assets" / "massbalance" / "simulation.png"
+    fig, axes = plt.subplots(1, 4 if sim.is_file() else 3, figsize=(17, 3.6))
+    for i, (name, seeds) in enumerate(sorted(runs.items(), key=lambda kv: int(kv[0][2:].split(",")[0]))):
+        evals = [[r for r in rows if "answers_q" in r] for rows in seeds.values()]
+        steps = [r["step"] for r in evals[0]]
+        for ax, (key, title) in zip(axes, panels):
+            ys = [[e[j][key] for e in evals if len(e) > j] for j in range(len(steps))]
+            ax.plot(steps, [statistics.mean(y) for y in ys], color=f"C{i}", label=name)
+            ax.fill_between(steps, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}",
+                            alpha=0.2, lw=0)
+            ax.set(title=title, xlabel="step")
+    axes[0].legend(fontsize=8)
+    if sim.is_file():
+        axes[3].imshow(plt.imread(sim))
+        axes[3].set(title="free logits (the paper's Figure 3, simulated)")
+        axes[3].axis("off")
+    fig.tight_layout()
+    fig.savefig(raw / "figure3.png", dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.theorem1_study", description=__doc__.strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/theorem1", help="run directories (default: runs/theorem1)")
+    ap.add_argument("--raw", default=str(RAW), help="raw results (default: assets/theorem1)")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="default 0..4")
+    ap.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
+    ap.add_argument("--steps_nalone", type=int, default=40, help="steps a nalone run (default 40)")
+    ap.add_argument("--steps_iso", type=int, default=40, help="steps an iso run (default 40)")
+    ap.add_argument("--steps_keys2x2", type=int, default=20, help="steps a keys run (default 20)")
+    ap.add_argument("--cap", type=float, default=900, help="CPU s a run at most (default 900)")
+    ap.add_argument("--report", action="store_true", help="tables and figure from --raw; run nothing")
+    args = ap.parse_args(argv)
+    raw = Path(args.raw)
+    if args.report:
+        print(report(raw))
+        figure(raw)
+        return
+    steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2)
+    if min(steps.values()) < 4 or args.cap <= 0:
+        ap.error("need steps >= 4 (an eval every quarter) and --cap > 0")
+    out, failed = Path(args.out), 0
+    for seed in args.seeds:
+        for sweep in args.only:
+            configs, common = SWEEPS[sweep]
+            for flags in configs:
+                failed += not run(sweep, flags, common, seed, steps, out, raw, args.cap)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

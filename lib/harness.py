@@ -535,6 +535,7 @@ class Run:
         self.main = distributed.is_main()
         self.rows, self.metrics_file, self.clock = rows, None, Clock(cfg, {})  # rows: --resume's, up to its checkpoint
         self.opt = self.ref_model = self.rng = self.gen_cpu = None  # restore() sets them: what checkpoints save
+        self.estimate = None  # and --alloc adaptive's per-prompt estimate (restore())
         self.samples_path, self.report = out / "samples.jsonl", None  # what the model wrote; the dashboards (restore())
 
     def say(self, line: str):
@@ -545,11 +546,14 @@ class Run:
         """The autocast region of the compute dtype, around forwards only (policy.autocast)."""
         return autocast(self.cfg, self.device)
 
-    def restore(self, opt, ref_model, rng, gen_cpu) -> tuple:
+    def restore(self, opt, ref_model, rng, gen_cpu, estimate=None) -> tuple:
         """(first step, keep_est, q_start). --resume: where the checkpoint left off (weights, AdamW, the
         reference, every random stream, the metrics logged up to it); --init_from with --init_optimizer:
-        its AdamW moments on a new run; else a fresh start (0, 0.5, None)."""
+        its AdamW moments on a new run; else a fresh start (0, 0.5, None). estimate: an object with
+        state_dict() and load_state_dict() (--alloc adaptive's per-prompt Q, lib/allocation.py), saved
+        in every checkpoint and restored from one that holds it."""
         self.opt, self.ref_model, self.rng, self.gen_cpu = opt, ref_model, rng, gen_cpu
+        self.estimate = estimate
         start, keep_est, q_start, resumed = 0, 0.5, None, bool(self.state)
         if self.state:
             state, self.state = self.state, None  # (its AdamW state is loaded into opt, not kept twice)
@@ -559,6 +563,8 @@ class Run:
             gen_cpu.set_state(state["gen_cpu"])
             if ref_model is not None and state["ref"] is not None:  # else a KL switched on now starts here
                 ref_model.load_state_dict(state["ref"])
+            if estimate is not None and state.get("estimate") is not None:  # else it starts afresh here
+                estimate.load_state_dict(state["estimate"])
             self.say(f"resumed {self.out} at step {start}")
         elif self.cfg.init_optimizer:  # a new run (step 0, its own random streams) on the old run's AdamW moments
             init = checkpoint_dir(self.cfg.init_from)
@@ -619,6 +625,8 @@ class Run:
         state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt_state, rng=self.rng.getstate(),
                      gen_cpu=self.gen_cpu.get_state(), world_size=distributed.world_size(),
                      ref=self.ref_model.state_dict() if self.ref_model is not None else None)
+        if self.estimate is not None:  # --alloc adaptive: the per-prompt estimate of Q
+            state["estimate"] = self.estimate.state_dict()
         if self.main:
             save_atomic(self.replica, self.tok, self.cfg, state, self.out / "ckpt")
 

@@ -81,10 +81,10 @@ class Config:
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
-    long_prompts: str = "refuse"  # prompt + new tokens past the model's positions: refuse, drop, allow
+    long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
-    max_rounds: int = 8  # rounds a step, at most (then < B groups); each draws distinct prompts anew
+    max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
     # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards vary most
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
     # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's response tokens
@@ -136,7 +136,8 @@ class Config:
     # sets task: every answer's exact probability (lib/answers.py) of the first n eval prompts at
     # every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread)
     answer_prompts: int = 0  # n prompts; 0: off
-    mass_balance: bool = False  # sets task, one process: Theorem 1's terms per trained group (lib/balance.py)
+    # sets task, one process: each trained group's mass balance and Theorem 1's terms (lib/balance.py)
+    mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
     sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl (lib/samples.py)
     sample_responses: int = 4  # responses kept per prompt: the eval's first, and with --sample_groups the trained ones'
     sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their advantages
@@ -398,7 +399,8 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
                                        for j, k in enumerate(kept)])
         my_groups = [j for j, x in enumerate(groups) if x is not None]
         batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
-        if cfg.mass_balance:  # instrumented: the answer distributions before the update (lib/balance.py)
+        balanced = cfg.mass_balance and step % cfg.mass_balance == 0
+        if balanced:  # instrumented: the answer distributions before the update (lib/balance.py)
             trained, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
             others = [x for x in followed if x["prompt"] not in trained]
             snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept], others, space)
@@ -406,7 +408,7 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
         model.train()
         upd = update_policy(model, ref_model, opt, batch, adv[my_groups].flatten().to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
-        if cfg.mass_balance:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
+        if balanced:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
             replica.eval()
             upd.update(balance.records(before, snapshot(), kept, keep, space))
         upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m

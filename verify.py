@@ -764,12 +764,14 @@ def _math_verify_accepts(answer, gold):
 @functools.lru_cache(maxsize=1 << 12)
 def _math_verify_gold(mv, gold):
     """A gold as math-verify (the module mv) parses it, once per gold, not once per rollout, and the
-    timeout of the calls that compare with it: MV_DECIDED_TIMEOUT_S where the rules read it as a number
-    (they have already judged every answer that is one; math-verify is a second opinion on symbolic
-    forms, and an answer like 1000000! would otherwise cost its whole 5 s), else MV_TIMEOUT_S."""
+    timeout of the calls that compare with it: MV_DECIDED_TIMEOUT_S where the rules read it as a
+    number (they have already judged every answer that is one; math-verify is a second opinion on
+    symbolic forms, and an answer like 1000000! would otherwise cost its whole 5 s), else
+    MV_TIMEOUT_S."""
     g = gold.strip()
     try:
-        numeric = 0 < len(g) <= MAX_ANSWER and (_INT.fullmatch(g) or _value(_normalize(g))[0] == "num")
+        numeric = 0 < len(g) <= MAX_ANSWER and bool(_INT.fullmatch(g) or _value(_normalize(g))[0]
+                                                     == "num")
     except Exception:  # (the rules never raise on a gold; if they did, the longer timeout)
         numeric = False
     parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)

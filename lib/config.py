@@ -209,12 +209,13 @@ def evaluated_step(run: Path) -> int:
     return max(steps)
 
 
-# The fields of every config.json since --resume began (the commit that added it): one of them missing
-# is an edit, named in one line (today's default would change the run in silence).
+# The fields of every config.json since --resume began (the commit that added it): one of them
+# missing is an edit, named in one line (today's default would change the run in silence).
 FIELDS_SINCE_RESUME = (
     "model", "task", "digits", "dtype", "device", "seed", "n_rollouts", "prompts_per_step",
-    "max_new_tokens", "temperature", "top_p", "max_rows", "dynamic_sampling", "max_rounds", "adv_norm",
-    "lr", "weight_decay", "n_minibatches", "micro_batch", "old_logp", "clip_low", "clip_high",
+    "max_new_tokens", "temperature", "top_p", "max_rows", "dynamic_sampling", "max_rounds",
+    "adv_norm", "lr", "weight_decay", "n_minibatches", "micro_batch", "old_logp", "clip_low",
+    "clip_high",
     "loss_agg", "kl_coef", "ref_reset_every", "grad_clip", "steps", "eval_every", "eval_prompts",
     "eval_samples", "probe_prompts", "save")
 # A later field missing means a run older than it: it resumes with its default (a new flag's default
@@ -234,8 +235,8 @@ def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dic
     than the code that wrote the run) the value that reproduces that code, noted; any other missing
     field stops with one line naming it: today's default would change the run in silence."""
     missing = [k for k in defaults if k not in base]
-    must_be_given = lambda k: k in FIELDS_SINCE_RESUME or (k in ADDED_FIELDS and ADDED_FIELDS[k] is None)
-    if lost := [k for k in missing if k not in overrides and must_be_given(k)]:
+    needed = lambda k: k in FIELDS_SINCE_RESUME or (k in ADDED_FIELDS and ADDED_FIELDS[k] is None)
+    if lost := [k for k in missing if k not in overrides and needed(k)]:
         parser.error(f"--resume {run}: its config.json lacks {', '.join(lost)} (edited, or older "
                      f"than the field): give the run's value, e.g. --{lost[0]} <value>")
     values = {}
@@ -372,6 +373,7 @@ def check_config(cfg) -> str:
         (cfg.answer_prompts == 0 or cfg.task == "sets",
          f"--answer_prompts {cfg.answer_prompts}: the whole answer distribution needs --task sets "
          "(an answer space small enough to enumerate)"),
+        (cfg.mass_balance >= 0, f"--mass_balance {cfg.mass_balance}: need >= 0 steps (0: off)"),
         (not cfg.mass_balance or (cfg.task == "sets" and distributed.world_size() == 1),
          "--mass_balance: needs --task sets and one process (not torchrun)"),
         (1 <= cfg.gate_small_n < cfg.gate_large_n, f"--gate_small_n {cfg.gate_small_n}, --gate_large_n "

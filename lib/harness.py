@@ -143,10 +143,10 @@ def write_atomic(path: Path, text: str):
 
 
 def record_changes(out: Path, step: int, cfg):
-    """A resumed run's config against the one it ran with (its config.json, which this segment's then
-    replaces): each field changed, or absent before (a field newer than the run), appended as one line
-    of <out>/config_history.jsonl, {"step": the checkpoint's step, "was": ..., "now": ..., "absent":
-    [...]}: the directory keeps what ran when. Nothing changed: nothing written."""
+    """A resumed run's config against the one it ran with (its config.json, which this segment's
+    then replaces): each field changed, or absent before (a field newer than the run), appended as a
+    line of <out>/config_history.jsonl, {"step": the checkpoint's step, "was": ..., "now": ...,
+    "absent": [...]}: the directory keeps what ran when. Nothing changed: nothing written."""
     try:
         before = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):  # (parse_config read it whole; a file gone since: all is new)
@@ -197,8 +197,8 @@ def metrics_row(line: str):
 
 
 def is_io_error(e: Exception) -> bool:
-    """A failure to write a file, however it surfaces: an OSError (permission, read-only, a full disk,
-    a name in the way), or the message of a writer that wraps one (safetensors' "IoError")."""
+    """A failure to write a file, however it surfaces: an OSError (permission, read-only, a full
+    disk, a name in the way), or the message of a writer that wraps one (safetensors' "IoError")."""
     return isinstance(e, OSError) or is_disk_full(e) or "IoError" in str(e)
 
 
@@ -281,9 +281,9 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
             torch.save(state, tmp / "trainer_state.part")  # last, and renamed: its name marks the temp dir whole
             os.replace(tmp / "trainer_state.part", tmp / "trainer_state.pt")
-    except BaseException as e:  # a full disk (one line), Ctrl-C, any error: no half-written temp left behind
+    except BaseException as e:  # a full disk (one line), Ctrl-C, any error: no half-written temp
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and is_io_error(e):  # permission, read-only: one line, as ENOSPC
+        if isinstance(e, Exception) and is_io_error(e):  # permission, read-only: one line too
             fail(f"cannot write in {path.parent} ({one_line_reason(e)}): {not_written}; {kept}")
         raise
     shutil.rmtree(old, ignore_errors=True)
@@ -412,34 +412,34 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
     if cfg.eval_task and train_set:
         check_overlap(cfg, train_set, held_out)
-    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/ or one line
+    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/, or one
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
     if cfg.system_prompt and not tok.chat_template:
         fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
     positions = getattr(model.config, "max_position_embeddings", None)
     eval_new = max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # the eval's and the probe's
-    eval_flag, eval_source = ("--eval_task", cfg.eval_task) if cfg.eval_task else ("--task", cfg.task)
-    held_out, longest = fit_context(cfg, held_out, f"{eval_flag} {eval_source}: held-out", eval_new, tok,
-                                    positions)
+    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
+    held_out, longest = fit_context(cfg, held_out, f"{source}: held-out", eval_new, tok, positions)
     if train_set is not None:
         train_set, longest_train = fit_context(cfg, train_set, f"--task {cfg.task}: training",
                                                cfg.max_new_tokens, tok, positions)
         check_train_size(cfg, train_set)
         longest = max(longest, longest_train)
-    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts, len(held_out)))
-    if cfg.probe_prompts > len(eval_set):  # the probe is the eval set's first prompts: said, recorded
+    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts,
+                                                                   len(held_out)))
+    if cfg.probe_prompts > len(eval_set):  # the probe: the eval set's first ones
         if distributed.is_main():
             tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "
                        f"prompt(s); the probe is those {len(eval_set)} (config.json says so)")
         cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
-    if bad := next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None):
+    if bad := next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     return cfg, device, train_set, eval_set, model, tok, longest
 
 
 def check_train_size(cfg, train_set: list):
-    """A step keeps B groups of B distinct prompts: a training set smaller than B stops with one line
+    """A step keeps B groups of B distinct prompts: a training set smaller than B stops, one line
     (a larger one is drawn from whole, prompts recurring only across rounds: sample_step_groups)."""
     if len(train_set) < cfg.prompts_per_step:
         fail(f"--task {cfg.task}: its training set holds {len(train_set)} prompt(s), fewer than "
@@ -447,11 +447,11 @@ def check_train_size(cfg, train_set: list):
 
 
 def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tuple:
-    """(rows, the longest prompt's tokens): every prompt checked, with max_new new tokens, against the
-    model's context (`positions`, its max_position_embeddings; None: unknown, nothing checked). A
-    prompt past it stops with one line naming its row (`where`: the flag, source and split) and its
-    length; --long_prompts drop drops such rows, allow keeps them (rotary positions extend past the
-    config's: the embedded model's 64 and a math prompt), each with a count. The tokenizer's own
+    """(rows, the longest prompt's tokens): every prompt checked, with max_new new tokens, against
+    the model's context (`positions`, its max_position_embeddings; None: unknown, nothing checked).
+    A prompt past it stops with one line naming its row (`where`: the flag, source and split) and
+    its length; --long_prompts drop drops such rows, allow keeps them (rotary positions extend past
+    the config's: the embedded model's 64 and a math prompt), each with a count. The tokenizer's own
     warning about length is left unsaid: this is the word."""
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -463,11 +463,11 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
     if too_long and cfg.long_prompts == "refuse":
         i = too_long[0]
         fail(f"{where} row {i} ({rows[i]['prompt'][:24]!r}...) is {lengths[i]} tokens: + {max_new} "
-             f"new > the model's {positions} positions, as are {len(too_long) - 1} more (--long_prompts "
-             "drop drops them, allow keeps them)")
+             f"new > the model's {positions} positions, as are {len(too_long) - 1} more "
+             "(--long_prompts drop drops them, allow keeps them)")
     if too_long and distributed.is_main():
-        tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's {positions} "
-                   f"positions with {max_new} new tokens: "
+        tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's "
+                   f"{positions} positions with {max_new} new tokens: "
                    + ("dropped (--long_prompts drop)" if cfg.long_prompts == "drop" else
                       "kept (--long_prompts allow)"))
     if too_long and cfg.long_prompts == "drop":
@@ -488,14 +488,16 @@ def eval_generator(device, seed: int, step: int) -> torch.Generator:
 
 
 def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
-    """--init_from's (or --model's) checkpoint: a run directory's ckpt/, or the checkpoint directory itself."""
+    """--init_from's (or --model's) checkpoint: a run directory's ckpt/, or the checkpoint directory
+    itself."""
     run = Path(path)
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
     if (run / "metrics.jsonl").is_file():  # a run directory (its config.json is brorl's, not a model's)
         left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
-        fail(f"{flag} {path}: the run holds no ckpt/" + (f" (a crash inside its save left {left.name}/: --resume {path} "
-             "takes it back)" if left else " (--save 0, or stopped before its first eval)"))
+        fail(f"{flag} {path}: the run holds no ckpt/" + (
+            f" (a crash inside its save left {left.name}/: --resume {path} takes it back)" if left
+            else " (--save 0, or stopped before its first eval)"))
     if run.is_dir() and not any((run / f).is_file() for f in ("config.json", "adapter_config.json")):
         fail(f"{flag} {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
@@ -662,7 +664,8 @@ def start(cfg) -> Run:
     if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
         fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW state)")
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
-    cfg, device, train_set, eval_set, model, tok, longest = setup(cfg, str(ckpt or init or cfg.model), flag)
+    policy = str(ckpt or init or cfg.model)
+    cfg, device, train_set, eval_set, model, tok, longest = setup(cfg, policy, flag)
     if init:  # config.json names the weights the run began from
         cfg = dataclasses.replace(cfg, model=str(init))
     if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)
@@ -670,7 +673,7 @@ def start(cfg) -> Run:
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
-    out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (a --resume with no ckpt: step 0)
+    out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)")
     dtype = compute_dtype(cfg, device)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -748,14 +751,15 @@ def plan(cfg) -> list:
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt is planned for
-    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training", cfg.max_new_tokens,
-                                     tok, positions)
-    planner.plan_memory(cfg, model_config, tok, train_set, device, report_only=True, prompt_tokens=longest)
+    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
+    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
+                                     cfg.max_new_tokens, tok, positions)
+    plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
+                                             report_only=True, prompt_tokens=longest, **k)
+    plan_k()
     if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
         print()
-        planner.plan_memory(cfg, model_config, tok, train_set, device, world_size=8, report_only=True,
-                            prompt_tokens=longest)
+        plan_k(world_size=8)
     return []
 
 

@@ -324,10 +324,11 @@ def measure_peak(fn, existing=lambda: ()):
 
 
 def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
-    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with no
-    chat template one batched call, the same ids."""
+    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with
+    no chat template one batched call, the same ids."""
     if not tok.chat_template and not system_prompt:
-        return [len(ids) for ids in tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]]
+        ids = tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]
+        return [len(x) for x in ids]
     return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
 
 
@@ -335,8 +336,8 @@ def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, repo
                 prompt_tokens=None):
     """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
     --memory_gb; stop with one line naming what to lower when even one row does not fit (report_only,
-    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this run's).
-    prompt_tokens: the longest prompt (default: the training set's, every row measured)."""
+    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this
+    run's). prompt_tokens: the longest prompt (default: the training set's, every row measured)."""
     prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
     memory = cfg.memory_gb * GB or default_memory_bytes(device)
     K = world_size or distributed.world_size()  # the figures are one rank's

@@ -379,7 +379,7 @@ def test_both_verifier_accepts_if_either_does(fake_math_verify):
     assert reward("\\boxed{half}", "1/2", verifier="both") == 1.0
     assert reward("\\boxed{0.5}", "1/2", verifier="both") == 1.0
     assert reward("<think>\\boxed{half}", "1/2", verifier="both") == 0.0  # same extraction
-    # the gold parsed once (its default timeout); a gold the rules read as a number bounds the answer's
+    # the gold parsed once (its default timeout); a gold the rules read as a number bounds the rest
     assert fake_math_verify == [verify.MV_TIMEOUT_S, verify.MV_DECIDED_TIMEOUT_S]
     assert rewards(["\\boxed{half}"] * 3, ["1/2"] * 3, verifier="both", workers=1) == [1.0] * 3
 

@@ -424,8 +424,8 @@ def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> 
 
 
 def keep_other_summary(stem: Path, command: str):
-    """The summary of another command (another grid on the same --out) is not replaced in silence: it
-    is kept beside, as summary.<its time>.{md,json,png}, and said. The same command's is replaced."""
+    """The summary of another command (another grid on the same --out) is not replaced in silence:
+    it is kept beside, as summary.<its time>.{md,json,png}, and said. The same command's is."""
     old = stem.with_suffix(".json")
     if not old.is_file():
         return

@@ -4,7 +4,8 @@ one thread, from the shipped warm start, its steps fixed (equal steps within a s
 process CPU seconds (--cap) so that no run can run away. Three sweeps, --seeds a config:
 
   nalone  the theorem's comparison, N alone: the sets task, B = 8, N in 4, 16, 64, 512, equal steps,
-          --mass_balance on (each trained group's four parts and the theorem's terms, lib/balance.py)
+          --mass_balance 4 (every 4th step, each trained group's four parts and the theorem's terms,
+          lib/balance.py: about 5 CPU s a measured step)
   iso     equal rollouts a step (IsoCompute's axis): the sets task, N x B = 1,024: 16 x 64, 64 x 16,
           512 x 2, equal steps
   keys2x2 the keys task (one right answer a prompt): N 16 / 512 x B 4 / 16, equal steps: what N
@@ -43,7 +44,7 @@ SETS = ["--preset", "sets", "--lr", "2e-4", "--eval_samples", "4", "--probe_prom
         "--probe_samples", "64", "--save", "0"]
 SWEEPS = {  # name: (configs as flag lists, the flags common to the sweep)
     "nalone": ([["--n_rollouts", str(n), "--prompts_per_step", "8"] for n in (4, 16, 64, 512)],
-               [*SETS, "--mass_balance", "1"]),
+               [*SETS, "--mass_balance", "4"]),
     "iso": ([["--n_rollouts", str(n), "--prompts_per_step", str(b)] for n, b in
              ((16, 64), (64, 16), (512, 2))], SETS),
     "keys2x2": ([["--n_rollouts", str(n), "--prompts_per_step", str(b)] for n in (16, 512)

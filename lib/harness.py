@@ -227,6 +227,9 @@ def log_line(m: dict) -> str:
             f"ent {m.get('entropy', 0):.3f} | clip {m.get('clip_frac', 0):.3f} | "
             f"|r-1| {m.get('max_ratio_dev', 0):.1e} drift {m.get('drift_max', 0):.1e} | len {m['resp_len']:.1f} | "
             f"{m['tokens_per_s']:.0f} tok/s | roll {m['time_rollout']:.2f}s upd {m['time_update']:.2f}s")
+    if "alloc_n_min" in m:  # --alloc adaptive: rollouts per prompt, informative groups per 1,000 rollouts
+        line += (f" | n {m['alloc_n_min']}/{m['alloc_n_median']:g}/{m['alloc_n_max']}"
+                 f" inf/1k {m['informative_per_1k']:.1f} dropped {m['rollouts_dropped']}")
     if "eval_pass@1" in m:
         line += (f" | eval pass@1 {m['eval_pass@1']:.3f} pass@k {m['eval_pass@k']:.3f}"
                  f" probe Q {m['mass_mean']:.3f}")  # sampled: the probe's share of right rollouts

@@ -10,6 +10,8 @@ process CPU seconds (--cap) so that no run can run away. Three sweeps, --seeds a
           512 x 2, equal steps
   keys2x2 the keys task (one right answer a prompt): N 16 / 512 x B 4 / 16, equal steps: what N
           and B each do where the unsampled right term cannot act
+  prorl   the keys task, ProRL's shape (N 16, B 16) for 150 steps: which prompts below the gate at
+          the start were never sampled right, and what became of them
 
 Runs go seed by seed (every config's seed 0, then seed 1, ...), so a study cut short is balanced.
 Each run's metrics.jsonl, the raw result, is copied to <raw>/<sweep>/<config>/seed<S>.jsonl as soon
@@ -49,6 +51,8 @@ SWEEPS = {  # name: (configs as flag lists, the flags common to the sweep)
              ((16, 64), (64, 16), (512, 2))], SETS),
     "keys2x2": ([["--n_rollouts", str(n), "--prompts_per_step", str(b)] for n in (16, 512)
                  for b in (4, 16)], ["--preset", "keys", "--lr", "2e-4", "--save", "0"]),
+    "prorl": ([["--n_rollouts", "16", "--prompts_per_step", "16"]],
+              ["--preset", "keys", "--lr", "2e-4", "--save", "0"]),
 }
 
 
@@ -281,6 +285,7 @@ def main(argv=None):
     ap.add_argument("--steps_nalone", type=int, default=40, help="steps a nalone run (default 40)")
     ap.add_argument("--steps_iso", type=int, default=40, help="steps an iso run (default 40)")
     ap.add_argument("--steps_keys2x2", type=int, default=20, help="steps a keys run (default 20)")
+    ap.add_argument("--steps_prorl", type=int, default=150, help="steps a prorl run (default 150)")
     ap.add_argument("--cap", type=float, default=900, help="CPU s a run at most (default 900)")
     ap.add_argument("--report", action="store_true", help="tables and figure from --raw; run nothing")
     args = ap.parse_args(argv)
@@ -289,7 +294,8 @@ def main(argv=None):
         print(report(raw))
         figure(raw)
         return
-    steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2)
+    steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2,
+                 prorl=args.steps_prorl)
     if min(steps.values()) < 4 or args.cap <= 0:
         ap.error("need steps >= 4 (an eval every quarter) and --cap > 0")
     out, failed = Path(args.out), 0

@@ -52,7 +52,7 @@ import torch
 
 import data
 import verify
-from lib import answers, balance, config, distributed, harness, mass, samples
+from lib import allocation, answers, balance, config, distributed, harness, mass, samples
 from lib.config import fail
 from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
 from lib.policy import autocast, clip_gradients, make_reference, old_logprobs, pack_groups, response_logprobs, trainable
@@ -87,6 +87,14 @@ class Config:
     max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
     # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards vary most
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
+    # rollouts per prompt (lib/allocation.py): uniform gives each prompt N, drawing rounds until B
+    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
+    # one's estimated Q, to make informative groups likely (PODS: min(m, its n) a group)
+    alloc: str = "uniform"  # uniform (N a prompt) or adaptive (R a step by each prompt's Q; PODS: min(m, n))
+    rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
+    min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
+    max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
+    alloc_decay: float = 0.95  # adaptive: the estimate's counts x this a step (the policy moves)
     # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's response tokens
     # (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run); response: over responses; group: GRPO's
     adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
@@ -232,6 +240,40 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     return kept, stats
 
 
+def sample_allocated_groups(model, tok, cfg, train_set, rng, step, estimate):
+    """--alloc adaptive: one round of B candidate prompts, each given its n of the step's R rollouts
+    from its estimated Q (allocation.allocate), sampled in one call per distinct n (the sampler takes
+    one n); every group's rewards update the estimate; dynamic sampling drops the all-equal groups,
+    and no further round is drawn (the budget is spent). The kept Groups, in candidate order, and
+    sample_step_groups' statistics, with the allocation's."""
+    B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
+    idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
+    n = allocation.allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
+    seeds = round_seeds(cfg.seed, step, 0, B)  # one a candidate: rollouts of (seed, step, prompt)
+    groups, tokens = [None] * B, 0
+    for size in sorted(set(n)):
+        js = [j for j in range(B) if n[j] == size]  # the candidates given `size` rollouts
+        batch = [train_set[idx[j]] for j in js]
+        ro, mine, r, lengths, _ = sample_share(model, tok, batch, size, cfg.temperature, cfg.top_p,
+                                               cfg, [seeds[j] for j in js])  # (len(js), size)
+        tokens += int(lengths.sum())
+        for g, j in enumerate(js):
+            groups[j] = Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
+                              example=batch[g])
+    estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
+    informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
+    kept = [x for x, keep in zip(groups, informative) if keep or not cfg.dynamic_sampling]
+    stats = dict(groups_generated=B, groups_survived=len(kept), groups_kept=len(kept), rounds=1,
+                 rewards=[x.rewards[None] for x in groups], tokens=tokens,  # (1, n_j) each
+                 alloc_n_min=min(n), alloc_n_median=torch.tensor(n).double().quantile(0.5).item(),
+                 alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
+                 rollouts_dropped=sum(s for s, keep in zip(n, informative) if not keep)
+                 if cfg.dynamic_sampling else 0)
+    if cfg.task in ("keys", "sets"):  # train = eval: the prompts a rollout got right, logged
+        stats["sampled_right"] = [x.example["prompt"] for x in groups if x.rewards.max() > 0]
+    return kept, stats
+
+
 # ----------------------------------------------------------------------------
 # Advantages
 
@@ -244,7 +286,12 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 sum to 0 over tokens whatever the lengths. Unbiased variance, eps 1e-8 inside the sqrt.
       response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO, 2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the rest, as
-    verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it stays 0)."""
+    verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it stays 0).
+    Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors (n_j,): each
+    group centred on its own mean (group: its own std), the batch's whitening over all valid tokens
+    (or responses) of all groups, each response weighted by its length as before; a list back."""
+    if isinstance(rewards, list):
+        return compute_ragged_advantages(rewards, norm, lengths)
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
     if norm == "group":
         return centred / (rewards.std(1, keepdim=True) + 1e-6)
@@ -260,6 +307,25 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
         return centred
     var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
     return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (G, N)
+
+
+def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
+    """compute_advantages for G groups of unequal N, each (n_j,): the same arithmetic on the flat
+    (sum n_j,) rollouts, so that equal n_j give the rectangular path's numbers."""
+    sizes = [len(r) for r in rewards]
+    if norm == "group":
+        return [(r - r.mean()) / (r.std() + 1e-6) for r in rewards]
+    centred = torch.cat([r - r.mean() for r in rewards])  # (sum n_j,)
+    if norm == "batch" and lengths is None:
+        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
+    if norm in ("batch", "response"):
+        w = (torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)).double()  # (sum n_j,)
+        x, n = centred.double(), w.sum()
+        mean = (w * x).sum() / n
+        if n > 1:
+            var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)
+            centred = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (sum n_j,)
+    return list(centred.split(sizes))
 
 
 # ----------------------------------------------------------------------------
@@ -334,8 +400,10 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed token_loss; the
     metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows' valid tokens; adv (r,): its rows'."""
-    G, m = batch["lengths"].shape
-    R, dev, tokens = G * m, adv.device, batch["lengths"].flatten()  # (R,) valid tokens per row, all ranks'
+    lengths = batch["lengths"]  # (G, m), or G tensors (m_j,): groups of unequal N (--alloc adaptive)
+    G, m = (lengths.shape if torch.is_tensor(lengths) else (len(lengths), [len(x) for x in lengths]))
+    tokens = lengths.flatten() if torch.is_tensor(lengths) else torch.cat(lengths)  # (R,) all ranks'
+    R, dev = len(tokens), adv.device  # R: rows, G*m or sum m_j
     my_micro_batches = lambda rows: [r.to(dev) for r in distributed.micro_batches(rows, G, m, cfg.micro_batch)]
     sampler_logp, valid, agg = batch["sampler_logp"], batch["resp_mask"], aggregation(cfg.loss, cfg.loss_agg)
     # before any update: the old policy's log-probs and entropies (r, T) (the sampler's or a forward's), the reference's
@@ -377,23 +445,34 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            followed=()) -> dict:
+            followed=(), estimate=None) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
     replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
-    followed: with --mass_balance, the prompts whose Q is followed when not trained."""
+    followed: with --mass_balance, the prompts whose Q is followed when not trained.
+    estimate: --alloc adaptive's per-prompt Q (lib/allocation.py), updated here."""
     replica.eval()
     t0 = time.perf_counter()
     with autocast(cfg, replica.device):  # no weight changes while sampling: the region's cache is valid
-        kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
+        if estimate is None:
+            kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
+        else:
+            kept, stats = sample_allocated_groups(replica, tok, cfg, train_set, rng, step, estimate)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
         # --train_rollouts m (PODS): the update's rows, advantages over those m; m = N is the run without it exactly
-        keep = max_variance_subset(all_rewards, cfg.train_rollouts or cfg.n_rollouts)  # (G, m)
-        rewards = all_rewards.gather(1, keep)  # (G, m)
-        lengths = torch.stack([k.lengths for k in kept]).gather(1, keep)  # (G, m) valid tokens per response
-        adv = compute_advantages(rewards, cfg.adv_norm, lengths)  # (G, m)
+        m = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m(n)
+        if len({len(k.rewards) for k in kept}) == 1:  # groups of one N (always with --alloc uniform)
+            all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
+            keep = max_variance_subset(all_rewards, m(all_rewards.shape[1]))  # (G, m)
+            rewards = all_rewards.gather(1, keep)  # (G, m)
+            lengths = torch.stack([k.lengths for k in kept]).gather(1, keep)  # (G, m) valid tokens per response
+        else:  # groups of unequal N (--alloc adaptive): lists of G tensors, (m_j,) each, m_j = m(n_j)
+            keep = [max_variance_subset(k.rewards[None], m(len(k.rewards)))[0] for k in kept]
+            rewards = [k.rewards[i] for k, i in zip(kept, keep)]  # G tensors (m_j,)
+            lengths = [k.lengths[i] for k, i in zip(kept, keep)]  # G tensors (m_j,) valid tokens
+            all_rewards = torch.cat([k.rewards for k in kept])  # (all kept rollouts,)
+        adv = compute_advantages(rewards, cfg.adv_norm, lengths)  # (G, m), or G tensors (m_j,)
         # each kept group to the rank that trains it (K = 1: all here), then this rank's as one batch
         groups = distributed.balance([k.rollouts.group(k.index, keep[j]) if k.rollouts is not None else None
                                        for j, k in enumerate(kept)])
@@ -406,12 +485,14 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
             snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept], others, space)
             before = snapshot()
         model.train()
-        upd = update_policy(model, ref_model, opt, batch, adv[my_groups].flatten().to(model.device), cfg, gen_cpu)
+        my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])  # (this rank's rows,)
+        upd = update_policy(model, ref_model, opt, batch, my_adv.to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
         if balanced:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
             replica.eval()
             upd.update(balance.records(before, snapshot(), kept, keep, space))
-        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=rewards.mean().item())  # N vs m
+        trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)  # (G, m) or (all m_j,)
+        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())  # N vs m
         upd["train_responses"] = samples.group_records(kept, keep, adv, tok, cfg)  # to samples.jsonl, not metrics
     return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
@@ -455,17 +536,23 @@ def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
 
 
 def step_metrics(stats, t_roll, t_upd, upd) -> dict:
-    """The per-step dict: rollout statistics over ALL generated groups, before filtering."""
-    r = torch.cat(stats["rewards"])  # (groups generated, N)
+    """The per-step dict: rollout statistics over ALL generated groups, before filtering. Groups of
+    unequal N (--alloc adaptive, each its own (1, n_j) row of stats["rewards"]): reward and pass@1
+    over all rollouts, zero_adv_frac and pass@N over groups, as with one N; and the allocation's."""
+    groups = [g for x in stats["rewards"] for g in x]  # each generated group's rewards (n_j,)
+    r = torch.cat(groups)  # (rollouts generated,), in the (groups, N) tensor's order with one N
+    top, bottom = torch.stack([g.max() for g in groups]), torch.stack([g.min() for g in groups])  # (groups,)
+    extra = ("alloc_n_min", "alloc_n_median", "alloc_n_max", "informative_per_1k", "rollouts_dropped",
+             "sampled_right")  # --alloc adaptive's; keys and sets: the prompts a rollout got right
     return {
         "reward_mean": r.mean().item(),
         "keep_rate": stats["groups_survived"] / max(stats["groups_generated"], 1),  # before truncation to B
         "groups_kept": stats["groups_kept"], "sample_rounds": stats["rounds"],
         "samples": r.numel(),  # rollouts generated this step, dropped groups included
-        "zero_adv_frac": (r.max(1).values == r.min(1).values).float().mean().item(),
-        "pass@1": r.mean().item(), "pass@N": (r.max(1).values > 0).float().mean().item(),
+        "zero_adv_frac": (top == bottom).float().mean().item(),
+        "pass@1": r.mean().item(), "pass@N": (top > 0).float().mean().item(),
         "resp_len": stats["tokens"] / r.numel(), "tokens_per_s": stats["tokens"] / max(t_roll, 1e-9),
-        "time_rollout": t_roll, "time_update": t_upd, **upd,
+        "time_rollout": t_roll, "time_update": t_upd, **{k: stats[k] for k in extra if k in stats}, **upd,
     }
 
 
@@ -480,8 +567,11 @@ def train(cfg: Config) -> list:
     ref_model = make_reference(replica) if cfg.kl_coef > 0 else None  # the KL's: a frozen copy of the start
     opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
-    start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu)  # --resume: where its checkpoint left off
+    # --alloc adaptive: each training prompt's estimated Q (lib/allocation.py), kept in the checkpoint
+    estimate = allocation.Estimate(len(run.train_set), cfg.alloc_decay) if cfg.alloc == "adaptive" else None
+    start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)  # --resume: where it left off
     probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.eval_set)  # Q's
+    position = {x["prompt"]: i for i, x in enumerate(run.train_set)}  # an eval prompt's training position
     # the whole answer distribution (sets): its prompts, their right answers, the first eval's
     answer_set, space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
     right, first = answers.right_mask(answer_set, space), answers.load_first(run.out)
@@ -511,7 +601,7 @@ def train(cfg: Config) -> list:
         with run.clock:  # training time: evaluations and checkpoints excluded
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg, run.train_set, rng, step,
-                                             gen_cpu, keep_est, exact_set)}
+                                             gen_cpu, keep_est, exact_set, estimate)}
             except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
                 fail(f"step {step}: {e}")
             keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]  # dynamic sampling's expected keep rate

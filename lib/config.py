@@ -334,8 +334,21 @@ def check_config(cfg) -> str:
         (not check_device(cfg.device), check_device(cfg.device)),
         (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
-        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts,
+        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts or cfg.alloc == "adaptive",
          f"--train_rollouts {cfg.train_rollouts}: need 2 <= m <= N = {cfg.n_rollouts} (0: all N)"),
+        (cfg.alloc in ("uniform", "adaptive"), f"--alloc {cfg.alloc!r}: choose uniform or adaptive"),
+        # adaptive: a group of n_j rollouts trains on min(m, n_j) of them
+        (cfg.alloc == "uniform" or cfg.train_rollouts == 0 or cfg.train_rollouts >= 2,
+         f"--train_rollouts {cfg.train_rollouts}: need m >= 2 (0: all of each group)"),
+        (cfg.alloc == "uniform" or 2 <= cfg.min_rollouts <= cfg.max_rollouts,
+         f"--min_rollouts {cfg.min_rollouts}, --max_rollouts {cfg.max_rollouts}: need 2 <= min <= max"),
+        (cfg.alloc == "uniform" or cfg.min_rollouts * cfg.prompts_per_step
+         <= (cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts)
+         <= cfg.max_rollouts * cfg.prompts_per_step,
+         f"--rollout_budget {cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts}: need B x "
+         f"--min_rollouts <= R <= B x --max_rollouts (B = --prompts_per_step {cfg.prompts_per_step})"),
+        (cfg.rollout_budget >= 0, f"--rollout_budget {cfg.rollout_budget}: need >= 0 (0: B x N)"),
+        (0 < cfg.alloc_decay <= 1, f"--alloc_decay {cfg.alloc_decay}: need 0 < decay <= 1 (1: no decay)"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
         # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a

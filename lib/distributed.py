@@ -130,15 +130,18 @@ def balance(groups: list) -> list:
     return move(groups, owner)
 
 
-def micro_batches(rows: torch.Tensor, n_groups: int, n: int, size: int) -> list:
+def micro_batches(rows: torch.Tensor, n_groups: int, n, size: int) -> list:
     """This rank's part of `rows` (indices among all ranks' n_groups * n rows, group-major, rank k holding
     the groups in share(n_groups, k)) as indices into its own batch, in micro-batches of `size`, in the
     order of `rows`. Every rank gets as many micro-batches as the busiest rank needs (a rank with fewer
-    runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows, in micro-batches."""
+    runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows, in micro-batches.
+    n: rows per group, or a list of each group's (groups of unequal N: --alloc adaptive)."""
     K, mine = world_size(), share(n_groups)
-    stops = torch.tensor([share(n_groups, k).stop * n for k in range(K)])  # (K,) where each rank's rows end
+    ends = [0] + torch.tensor(n, dtype=torch.long).cumsum(0).tolist() if isinstance(n, list) else None
+    first = lambda j: ends[j] if ends else j * n  # the first row of group j (j = n_groups: all rows)
+    stops = torch.tensor([first(share(n_groups, k).stop) for k in range(K)])  # (K,) each rank's rows' end
     owner = torch.bucketize(rows.cpu(), stops, right=True)  # (len(rows),) the rank holding each row
-    local = rows[(owner == rank()).to(rows.device)] - mine.start * n  # (this rank's rows,)
+    local = rows[(owner == rank()).to(rows.device)] - first(mine.start)  # (this rank's rows,)
     count = -(-int(torch.bincount(owner, minlength=K).max()) // size) if len(rows) else 0  # the busiest rank's
     return [local[i * size: (i + 1) * size] for i in range(count)]
 

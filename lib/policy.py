@@ -225,7 +225,8 @@ def pack_groups(groups: list, dev="cpu") -> dict:
     and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2 kept:
     response_logprobs always makes its two model calls), each row pointing at its prompt (`group`), and
     `lengths` (G, n), each row's valid tokens, float64 on the CPU: these groups', which brorl.rl_step
-    replaces with all ranks' (the normalisers' counts). No groups: an empty batch."""
+    replaces with all ranks' (the normalisers' counts); groups of unequal n: R = sum n_j rows and
+    `lengths` a list of G tensors (n_j,). No groups: an empty batch."""
     G = len(groups)
     P = max((len(x.prompt_ids[0]) for x in groups), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
@@ -239,9 +240,13 @@ def pack_groups(groups: list, dev="cpu") -> dict:
     T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
     rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)  # (R, T), one padding column if T_max = 1
     group = torch.arange(G).repeat_interleave(torch.tensor([x.n for x in groups], dtype=torch.long))  # (R,)
+    lengths = mask.sum(1).double()  # (R,) valid tokens per row
+    # (G, n); groups of unequal n (--alloc adaptive): a list of G tensors (n_j,)
+    lengths = (lengths.reshape(G, groups[0].n if groups else 0) if len({x.n for x in groups}) <= 1
+               else list(lengths.split([x.n for x in groups])))
     return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens"), resp_mask=rows("mask"),
                 group=group.to(dev), sampler_logp=rows("logp"), sampler_entropy=rows("entropy"),
-                lengths=mask.sum(1).double().reshape(G, groups[0].n if groups else 0))
+                lengths=lengths)
 
 
 # One empty row (a 1-token prompt, 2 padding response tokens): what a rank computes, with no effect,

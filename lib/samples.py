@@ -53,10 +53,12 @@ def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
 
 
 def group_records(kept, keep, adv, tok, cfg) -> list:
-    """--sample_groups: the first trained responses of the step's first groups, with their advantages, gathered
-    from the ranks that sampled them (every rank calls this: all hold the same kept groups). kept:
-    sample_step_groups' brorl.Group list; keep (G, m) the trained rollouts' indices among each group's N;
-    adv (G, m)."""
+    """--sample_groups: the first trained responses of the step's first groups, with their
+    advantages, gathered from the ranks that sampled them (every rank calls this: all hold the same
+    kept groups). kept: sample_step_groups' brorl.Group list; keep (G, m) the trained rollouts'
+    indices among each group's N; adv (G, m). Groups of unequal N (--alloc adaptive): keep and adv
+    are lists of G tensors (m_j,), indexed alike, and a record's row is found through its own
+    group's n."""
     if not cfg.sample_groups:  # the same on every rank: no collective
         return []
     records = []
@@ -64,12 +66,17 @@ def group_records(kept, keep, adv, tok, cfg) -> list:
         ro, g, r, n_tok = group.rollouts, group.index, group.rewards, group.lengths
         if ro is None:  # another rank sampled this group
             continue
-        prompt = clip(tok.decode(ro.prompt_ids[g]))  # as the model saw it (a chat template included)
-        for p, j in enumerate(keep[k, : cfg.sample_responses].tolist()):  # p: among the m trained, j: among N
+        # The prompt as the model saw it (a chat template included).
+        prompt = clip(tok.decode(ro.prompt_ids[g]))
+        # p: the response's place among the m trained; j: its place among the group's N.
+        for p, j in enumerate(keep[k][: cfg.sample_responses].tolist()):
             row = g * ro.n + j
-            records.append((k, dict(kind="train", prompt=prompt, response=clip(ro.texts[row]), reward=float(r[j]),
-                                    length=int(n_tok[j]), truncated=bool(ro.truncated[row]), advantage=float(adv[k, p]))))
-    return [rec for _, rec in sorted(distributed.gather_list(records), key=lambda x: x[0])]  # in group order
+            records.append((k, dict(kind="train", prompt=prompt, response=clip(ro.texts[row]),
+                                    reward=float(r[j]), length=int(n_tok[j]),
+                                    truncated=bool(ro.truncated[row]),
+                                    advantage=float(adv[k][p]))))
+    # The records in group order.
+    return [rec for _, rec in sorted(distributed.gather_list(records), key=lambda x: x[0])]
 
 
 # ----------------------------------------------------------------------------

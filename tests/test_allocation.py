@@ -1,0 +1,272 @@
+"""--alloc adaptive (lib/allocation.py): the allocation against brute force, the budget spent
+exactly, the value function against its definition, the estimate and its checkpoint, groups of
+unequal N through advantages, micro-batches, the batch and the step's metrics (equal sizes giving
+the one-N path's numbers to the bit), --resume bit-exact, K = 2 processes equal to one, and the
+uniform rule untouched."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+import brorl
+from lib import allocation, distributed, policy
+from test_brorl import SMALL
+
+
+def value(n: int, q: float) -> float:
+    """The test's own v(n, q): the chance that n draws of a q-coin are not all equal."""
+    return 1 - q ** n - (1 - q) ** n
+
+
+def brute_force(q: list, budget: int, n_min: int, n_max: int) -> float:
+    """The largest sum of value over every allocation in [n_min, n_max] summing to budget."""
+    return max(sum(value(n, x) for n, x in zip(ns, q))
+               for ns in itertools.product(range(n_min, n_max + 1), repeat=len(q)) if sum(ns) == budget)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_is_the_brute_force_optimum(seed):
+    """Random estimates (near 0 and 1 too), B in 1..4, bounds and every feasible budget: the greedy
+    allocation's value equals the best of all allocations, within the bounds, summing to the budget."""
+    g = torch.Generator().manual_seed(seed)
+    B = 1 + seed % 4
+    q = torch.rand(B, generator=g, dtype=torch.float64) ** 3  # (B,) skewed toward 0: rare prompts
+    q[0] = 1 - q[0] / 100 if seed % 3 == 0 else q[0]  # a nearly solved one
+    n_min, n_max = 2 + seed % 2, 7
+    for budget in range(B * n_min, B * n_max + 1):
+        n = allocation.allocate(q, budget, n_min, n_max)  # (B,)
+        assert n.sum().item() == budget and n.min() >= n_min and n.max() <= n_max
+        got = sum(value(k, x) for k, x in zip(n.tolist(), q.tolist()))
+        assert got == pytest.approx(brute_force(q.tolist(), budget, n_min, n_max), abs=1e-12)
+
+
+def test_informative_chance_is_the_chance_a_group_is_not_all_equal():
+    """v(n, q) by enumerating every outcome of n draws: the value function is its definition."""
+    for n, q in itertools.product((2, 3, 5), (0.0, 0.01, 0.3, 0.5, 0.97)):
+        mixed = sum(q ** sum(o) * (1 - q) ** (n - sum(o))
+                    for o in itertools.product((0, 1), repeat=n) if 0 < sum(o) < n)
+        assert allocation.informative_chance(n, q).item() == pytest.approx(mixed, abs=1e-12)
+
+
+def test_allocation_spends_the_budget_exactly_and_favours_the_reachable():
+    """A realistic step: 64 candidates, R = 1,024: the sum is R, every prompt within the bounds, a
+    solved prompt (q ~ 1) and an unreachable one (q ~ 1e-9) at the floor, a rare but reachable one
+    (1/100) above the uniform share; the result depends on q_hat alone; an infeasible budget refused."""
+    q = torch.full((64,), 0.3, dtype=torch.float64)
+    q[:3] = torch.tensor([1 - 1e-9, 1e-9, 0.01], dtype=torch.float64)
+    n = allocation.allocate(q, 1024, 4, 256)
+    assert n.sum().item() == 1024 and n.min() >= 4 and n.max() <= 256
+    assert n[0] == 4 and n[1] == 4 and n[2] > 16
+    assert torch.equal(n, allocation.allocate(q.clone(), 1024, 4, 256))
+    with pytest.raises(ValueError, match="budget"):
+        allocation.allocate(q, 64 * 4 - 1, 4, 256)
+
+
+def test_estimate_counts_decays_and_round_trips():
+    """The posterior: the first step's mean reward is the prior; counts decay each step; a seen
+    prompt's estimate is (a + s m) / (a + b + s); state_dict / load_state_dict restore it exactly."""
+    est = allocation.Estimate(5, decay=0.5)
+    assert est.q_hat([0, 4]).tolist() == [0.5, 0.5]  # nothing seen: no knowledge
+    est.update([1, 2], [torch.tensor([1.0, 1, 0, 0]), torch.tensor([0.0, 0])])  # mean reward 2 / 6
+    prior = 2 / 6
+    assert est.prior == pytest.approx(prior) and est.seen.tolist() == [False, True, True, False, False]
+    assert est.q_hat([1]).item() == pytest.approx((2 + 2 * prior) / (4 + 2))
+    assert est.q_hat([0]).item() == pytest.approx(prior)  # unseen: the prior
+    est.update([2], [torch.tensor([1.0, 1])])
+    assert est.a[1].item() == 1.0 and est.b[1].item() == 1.0  # decayed once
+    assert est.a[2].item() == 2.0 and est.b[2].item() == 1.0
+    again = allocation.Estimate(5, decay=0.5)
+    again.load_state_dict(est.state_dict())
+    assert torch.equal(again.q_hat(range(5)), est.q_hat(range(5))) and again.updates == 2
+    with pytest.raises(ValueError, match="prompts"):
+        allocation.Estimate(6, 0.5).load_state_dict(est.state_dict())
+
+
+def test_calibration_over_the_seen_prompts():
+    est = allocation.Estimate(4, decay=1.0)
+    est.update([0, 1], [torch.tensor([1.0, 0]), torch.tensor([0.0, 0, 0, 1])])
+    m = allocation.calibration(est, [0, 1, 2, None], [-0.5, -1.0, -3.0, -2.0])  # 2 and None: unseen, absent
+    q = est.q_hat([0, 1]).log10()
+    assert m["alloc_calib_prompts"] == 2
+    assert m["alloc_calib_abs_log10"] == pytest.approx(((q - torch.tensor([-0.5, -1.0])).abs().mean()).item())
+    assert m["alloc_calib_corr"] == pytest.approx(1.0)  # two points: their order agrees
+
+
+# ----------------------------------------------------------------------------
+# Groups of unequal N: equal sizes give the one-N path's numbers exactly
+
+
+@pytest.mark.parametrize("norm", ["batch", "response", "group", "none"])
+def test_ragged_advantages_equal_the_rectangular_ones(norm):
+    g = torch.Generator().manual_seed(1)
+    r = torch.randint(0, 2, (5, 8), generator=g).float()  # (G, N)
+    lengths = torch.randint(1, 9, (5, 8), generator=g).double()  # (G, N)
+    rect = brorl.compute_advantages(r, norm, lengths)
+    ragged = brorl.compute_advantages(list(r), norm, list(lengths))
+    assert torch.equal(torch.stack(ragged), rect)
+
+
+def test_ragged_advantages_whiten_over_all_tokens():
+    """Unequal N: each group centred on its own mean; then whitened over every valid token of the
+    batch (a response counted once per token), so the token-weighted advantages sum to 0 and have
+    unit (unbiased) variance; group: each group by its own std."""
+    g = torch.Generator().manual_seed(2)
+    sizes = [2, 7, 3, 16]
+    r = [torch.randint(0, 2, (n,), generator=g).float() for n in sizes]
+    r[0] = torch.tensor([0.0, 1.0])
+    lengths = [torch.randint(1, 9, (n,), generator=g).double() for n in sizes]
+    adv = brorl.compute_advantages(r, "batch", lengths)
+    assert [len(a) for a in adv] == sizes
+    w, a = torch.cat(lengths), torch.cat(adv).double()
+    assert (w * a).sum().item() == pytest.approx(0, abs=1e-5)
+    var = (w * a * a).sum() / w.sum() * w.sum() / (w.sum() - 1)
+    assert var.item() == pytest.approx(1, abs=1e-4)
+    centred = torch.cat([x - x.mean() for x in r])
+    assert torch.corrcoef(torch.stack([centred.double(), a]))[0, 1] == pytest.approx(1, abs=1e-6)
+    grp = brorl.compute_advantages(r, "group", lengths)
+    assert torch.allclose(grp[1], (r[1] - r[1].mean()) / (r[1].std() + 1e-6))
+
+
+def test_ragged_micro_batches_equal_equal_sizes(monkeypatch):
+    """distributed.micro_batches with per-group sizes: equal sizes give the int's result on every
+    rank of K; unequal sizes give each rank the rows of its share() of the groups."""
+    gen = torch.Generator().manual_seed(0)
+    for K in (1, 2, 3):
+        monkeypatch.setenv("WORLD_SIZE", str(K))
+        for G, n in ((5, 3), (2, 4), (7, 1)):
+            rows = torch.randperm(G * n, generator=gen)
+            for r in range(K):
+                monkeypatch.setenv("RANK", str(r))
+                a = distributed.micro_batches(rows, G, n, 2)
+                b = distributed.micro_batches(rows, G, [n] * G, 2)
+                assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        sizes = [3, 1, 4, 2, 5]
+        ends = [0, *itertools.accumulate(sizes)]
+        rows = torch.randperm(ends[-1], generator=gen)
+        for r in range(K):
+            monkeypatch.setenv("RANK", str(r))
+            share = distributed.share(len(sizes), r)
+            held = range(ends[share.start], ends[share.stop])
+            got = distributed.micro_batches(rows, len(sizes), sizes, 100)
+            mine = torch.cat(got).tolist() if got else []
+            assert [x + held.start for x in mine] == [int(x) for x in rows if int(x) in held]
+
+
+def test_pack_groups_of_unequal_n():
+    """pack_groups: rows of groups of 3 and 2 rollouts, each pointing at its prompt; lengths a list
+    of per-group tensors; groups of one n keep the (G, n) tensor."""
+    ro3 = brorl.Rollouts(prompt_ids=[[1, 2]], tokens=torch.arange(6).view(3, 2),
+                         mask=torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.bool), logp=-torch.rand(3, 2),
+                         entropy=torch.rand(3, 2), truncated=torch.zeros(3, dtype=torch.bool),
+                         texts=[""] * 3, n=3)
+    ro2 = brorl.Rollouts(prompt_ids=[[3]], tokens=torch.arange(4).view(2, 2), mask=torch.ones(2, 2, dtype=torch.bool),
+                         logp=-torch.rand(2, 2), entropy=torch.rand(2, 2), truncated=torch.zeros(2, dtype=torch.bool),
+                         texts=[""] * 2, n=2)
+    batch = policy.pack_groups([ro3, ro2])
+    assert batch["group"].tolist() == [0, 0, 0, 1, 1]
+    assert [x.tolist() for x in batch["lengths"]] == [[2.0, 1.0, 2.0], [2.0, 2.0]]
+    assert policy.pack_groups([ro3, ro3])["lengths"].shape == (2, 3)
+
+
+def test_step_metrics_of_unequal_groups_and_of_one_n():
+    """step_metrics: one (G, N) tensor and the same groups as (1, N) rows give the same numbers;
+    unequal groups: rewards over rollouts, pass@N and zero_adv_frac over groups."""
+    r = torch.tensor([[1.0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    stats = dict(groups_survived=1, groups_generated=3, groups_kept=1, rounds=1, tokens=24)
+    one = brorl.step_metrics({**stats, "rewards": [r]}, 1.0, 1.0, {})
+    rows = brorl.step_metrics({**stats, "rewards": [x[None] for x in r]}, 1.0, 1.0, {})
+    assert one == rows
+    ragged = brorl.step_metrics({**stats, "rewards": [torch.tensor([[1.0, 0]]), torch.zeros(1, 6)]},
+                                1.0, 1.0, {})
+    assert ragged["samples"] == 8 and ragged["reward_mean"] == 1 / 8
+    assert ragged["pass@N"] == 0.5 and ragged["zero_adv_frac"] == 0.5
+
+
+# ----------------------------------------------------------------------------
+# Whole runs: the budget, --resume, the uniform rule
+
+
+# R = 33 over B = 2 unseen prompts: 17 and 16, so every step holds groups of unequal N
+ADAPTIVE = ["--alloc", "adaptive", "--rollout_budget", "33", "--min_rollouts", "3", "--max_rollouts",
+            "24", "--sample_groups", "2"]
+
+
+def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatch):
+    """An adaptive run: every step draws exactly R rollouts, in [min, max] per prompt, and trains
+    groups of unequal N (the ragged advantages run); 4 steps == 2 steps, then --resume to 4,
+    metrics and weights to the bit (the estimate is in the checkpoint)."""
+    seen = []
+    ragged = brorl.compute_ragged_advantages
+    monkeypatch.setattr(brorl, "compute_ragged_advantages",
+                        lambda r, *a: seen.append([len(x) for x in r]) or ragged(r, *a))
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--eval_every", "2", "--device", "cpu", *SMALL, *ADAPTIVE]
+    rows_a = brorl.train(brorl.parse_config(["--steps", "4", "--out", str(a), *common]))
+    steps = [r for r in rows_a if r["step"] > 0]
+    assert all(r["samples"] == 33 and 3 <= r["alloc_n_min"] <= r["alloc_n_max"] <= 24 for r in steps)
+    assert seen and any(len(set(s)) > 1 for s in seen)  # groups of unequal N were trained
+    brorl.train(brorl.parse_config(["--steps", "2", "--out", str(b), *common]))
+    assert "estimate" in torch.load(b / "ckpt" / "trainer_state.pt", weights_only=True)
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "4"]))
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+    assert [strip(r) for r in rows_b] == [strip(r) for r in rows_a]
+    from safetensors.torch import load_file
+    wa, wb = load_file(a / "ckpt" / "model.safetensors"), load_file(b / "ckpt" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    records = [json.loads(x) for x in (a / "samples.jsonl").read_text().splitlines()]
+    assert any(x["kind"] == "train" for x in records)  # samples.jsonl of unequal groups
+
+
+def test_uniform_rule_never_touches_the_allocation(tmp_path, monkeypatch):
+    """--alloc uniform (the default): no estimate is made, sampled with, or saved; no allocation key
+    is logged; the step's metrics are step_metrics' of the one-N path."""
+    def never(*a, **k):
+        raise AssertionError("the allocation ran under --alloc uniform")
+    monkeypatch.setattr(brorl, "sample_allocated_groups", never)
+    monkeypatch.setattr(allocation, "Estimate", never)
+    rows = brorl.train(brorl.parse_config(["--steps", "2", "--eval_every", "2", "--out",
+                                           str(tmp_path / "u"), "--device", "cpu", *SMALL]))
+    assert brorl.Config().alloc == "uniform"
+    assert not any(k.startswith(("alloc", "informative", "rollouts_dropped")) for r in rows for k in r)
+    assert "estimate" not in torch.load(tmp_path / "u" / "ckpt" / "trainer_state.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("flags, word", [
+    (["--alloc", "greedy"], "--alloc"),
+    (["--alloc", "adaptive", "--min_rollouts", "1"], "--min_rollouts"),
+    (["--alloc", "adaptive", "--rollout_budget", "5", "--min_rollouts", "4"], "--rollout_budget"),
+    (["--alloc", "adaptive", "--rollout_budget", "5000", "--max_rollouts", "8"], "--rollout_budget"),
+    (["--alloc_decay", "0"], "--alloc_decay"),
+])
+def test_bad_allocation_flags_fail_with_one_line(flags, word, capsys):
+    with pytest.raises(SystemExit):
+        brorl.parse_config(flags)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert word in err
+
+
+def test_two_processes_equal_one_under_adaptive(tmp_path):
+    """torchrun (gloo, CPU), K = 2 against one process, --alloc adaptive with groups of unequal N
+    (R = 26 over B = 4: 7, 7, 6, 6; --train_rollouts 6: min(m, n) of each): the same allocations,
+    rollouts and kept groups exactly; the update's numbers and the weights up to float summation
+    order (test_distributed's bound: the ranks sum their gradients in another order)."""
+    from test_distributed import TINY, finish, metrics, rel_diff, start, weights
+    flags = [*TINY, "--prompts_per_step", "4", *ADAPTIVE, "--rollout_budget", "26", "--train_rollouts", "6"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    runs = [start(tmp_path, one, flags, procs=0), start(tmp_path, two, [*flags, "--max_rows", "4"], procs=2)]
+    for p in runs:
+        code, out = finish(p)
+        assert code == 0, out[-3000:]
+    m1, m2 = metrics(one), metrics(two)
+    assert len(m1) == len(m2) == 4 and any(r.get("alloc_n_min", 0) != r.get("alloc_n_max", 0) for r in m1)
+    exact = ("reward_mean", "keep_rate", "groups_kept", "samples", "zero_adv_frac", "pass@N", "resp_len",
+             "alloc_n_min", "alloc_n_median", "alloc_n_max", "informative_per_1k", "rollouts_dropped",
+             "reward_kept", "reward_trained")
+    for a, b in zip(m1, m2):  # the same candidates, allocations, rollouts and kept groups: exactly
+        assert all(a.get(k) == b.get(k) for k in exact), a["step"]
+        for k in ("entropy", "clip_frac", "grad_norm"):  # the update: up to float summation order,
+            assert a.get(k, 0) == pytest.approx(b.get(k, 0), rel=1e-4, abs=1e-6)  # as test_distributed
+    assert rel_diff(weights(one), weights(two)) <= 1e-4

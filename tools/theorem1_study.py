@@ -64,7 +64,8 @@ def label(flags: list) -> str:
 
 def run(sweep: str, flags: list, common: list, seed: int, steps: dict, out: Path, raw: Path,
         cap: float) -> bool:
-    """One run, unless its raw file exists; its metrics.jsonl copied to the raw file when it ends."""
+    """One run, unless its raw file exists; its metrics.jsonl copied to the raw file when it
+    ends."""
     name = label(flags)
     target = raw / sweep / name / f"seed{seed}.jsonl"
     if target.is_file():
@@ -114,7 +115,8 @@ def mann_whitney(a: list, b: list) -> float:
 
 
 def welch(a: list, b: list) -> tuple:
-    """Welch's t and its two-sided p (the t density integrated numerically; df by Welch-Satterthwaite)."""
+    """Welch's t and its two-sided p (the t density integrated numerically; df by
+    Welch-Satterthwaite)."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return float("nan"), float("nan")
@@ -150,7 +152,7 @@ def sets_measures(rows: list) -> dict:
              dq=last["answers_q"] - first["answers_q"], right_rose=last["answers_right_rose"],
              worst_drop=last["answers_right_worst_drop"], pass1024=last["answers_pass@1024"],
              pass1024_start=first["answers_pass@1024"], entropy=last["answers_entropy"],
-             samples=sum(r["samples"] for r in steps), steps=len(steps))
+             samples=sum(r["samples"] for r in steps), steps=len(steps), **reach(rows))
     groups = [g for r in steps for g in r.get("balance_groups", [])]
     if groups:
         du = [g["U_pos_after"] - g["U_pos_before"] for g in groups]
@@ -163,18 +165,45 @@ def sets_measures(rows: list) -> dict:
                  / max(len(has_u), 1),
                  corr=pearson([g["pred_du_pos"] for g, _ in has_u], [d for _, d in has_u]),
                  dq_trained=statistics.mean(g["q_after"] - g["q_before"] for g in groups),
+                 dlog10q_trained=statistics.mean(math.log10(g["q_after"] / g["q_before"])
+                                                 for g in groups),
                  others_dlog10q=statistics.mean(r["balance_others_dlog10q"] for r in steps
                                                 if "balance_others_dlog10q" in r))
+    return m
+
+
+def reach(rows: list, small_n: int = 16, large_n: int = 512) -> dict:
+    """Where each prompt's exact Q went, by two different measures (every prompt of the task is
+    followed): the prompts below the gate AT THE START (Q < 1/large_n at the first eval), and the
+    prompts NEVER SAMPLED RIGHT (no rollout of any generated group, dropped ones included, was right
+    in the whole run). For each: how many, the median change of log10 Q first eval -> last, how many
+    fell and how many fell by more than a decade; and the gate prompts that ended below the gate."""
+    evals = [r for r in rows if "mass_exact_log10" in r]
+    prompts = evals[0]["mass_exact_prompts"]
+    start = dict(zip(prompts, evals[0]["mass_exact_log10"]))
+    end = dict(zip(prompts, evals[-1]["mass_exact_log10"]))
+    hit = {p for r in rows for p in r.get("sampled_right", [])}
+    low, high = -math.log10(large_n), -math.log10(small_n)
+    below = [p for p in prompts if start[p] < low]
+    never = [p for p in prompts if p not in hit]
+    m = {}
+    for name, group in (("below", below), ("never", never),
+                        ("below_never", [p for p in below if p not in hit])):
+        d = [end[p] - start[p] for p in group]
+        m.update({name: len(group), f"{name}_dlog10_median": statistics.median(d) if d else math.nan,
+                  f"{name}_fell": sum(x < 0 for x in d), f"{name}_fell_decade": sum(x < -1 for x in d)})
+    gate = [p for p in prompts if low <= start[p] < high]
+    m.update(gate=len(gate), gate_sank=sum(end[p] < low for p in gate))
     return m
 
 
 def keys_measures(rows: list) -> dict:
     evals = [r for r in rows if "mass_exact_mean" in r]
     steps = [r for r in rows if r["step"] > 0]
-    gate = lambda r: r["mass_exact_gate"]
     return dict(q_start=evals[0]["mass_exact_mean"], q_end=evals[-1]["mass_exact_mean"],
                 dq=evals[-1]["mass_exact_mean"] - evals[0]["mass_exact_mean"],
-                gate_end=gate(evals[-1]), samples=sum(r["samples"] for r in steps), steps=len(steps))
+                gate_end=evals[-1]["mass_exact_gate"], samples=sum(r["samples"] for r in steps),
+                steps=len(steps), **reach(rows))
 
 
 def pearson(x: list, y: list) -> float:
@@ -212,6 +241,10 @@ def tests(configs: dict, key: str, base: str) -> list:
     return lines + [""]
 
 
+REACH = ["below", "below_dlog10_median", "below_fell", "never", "never_dlog10_median", "never_fell",
+         "never_fell_decade", "below_never", "below_never_dlog10_median", "gate", "gate_sank"]
+
+
 def report(raw: Path) -> str:
     data = read(raw)
     lines = []
@@ -226,26 +259,37 @@ def report(raw: Path) -> str:
                         "pass1024", "entropy", "samples"])
         base = next(iter(configs))
         lines += tests(configs, "dq", base) + tests(configs, "right_rose", base)
+        lines += table(f"{sweep}: the 256 prompts' exact Q, by where they started and by what was "
+                       "sampled", configs, REACH)
         if sweep == "nalone":
             lines += table("nalone: the mass balance, over every trained group of every step",
                            configs, ["groups", "u_pos_share", "term3_neg", "du_pos_mean",
                                      "du_pos_fell", "sign_agree", "corr", "dq_trained",
-                                     "others_dlog10q"])
+                                     "dlog10q_trained", "others_dlog10q"])
             lines += tests(configs, "du_pos_mean", base)
     if "keys2x2" in data:
         configs = {c: {s: keys_measures(rows) for s, rows in runs.items()}
                    for c, runs in data["keys2x2"].items()}
         lines += table("keys2x2: mean exact Q of the 512 prompts", configs,
                        ["q_start", "q_end", "dq", "gate_end", "samples"])
-        lines += tests(configs, "dq", "N=16,B=4")
+        lines += tests(configs, "dq", "N=16,B=4") + tests(configs, "dq", "N=16,B=16")
+        lines += table("keys2x2: the 512 prompts by where they started and by what was sampled",
+                       configs, REACH)
+    if "prorl" in data:
+        configs = {c: {s: keys_measures(rows) for s, rows in runs.items()}
+                   for c, runs in data["prorl"].items()}
+        lines += table("prorl: ProRL's shape on keys, mean exact Q", configs,
+                       ["q_start", "q_end", "gate_end", "samples", "steps"])
+        lines += table("prorl: below the gate at the start, against never sampled right", configs,
+                       REACH)
     text = "\n".join(lines)
     (raw / "report.md").write_text(text + "\n")
     return text
 
 
 def figure(raw: Path) -> None:
-    """Figure 3 for a transformer: Q, the share of right answers that rose, the worst drop, each by N
-    at every eval (mean over seeds, the seeds' range shaded), beside the free-logit simulation's
+    """Figure 3 for a transformer: Q, the share of right answers that rose, the worst drop, each by
+    N at every eval (mean over seeds, the seeds' range shaded), beside the free-logit simulation's
     figure (assets/massbalance/simulation.png, tools/massbalance.py)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -256,7 +300,9 @@ def figure(raw: Path) -> None:
               ("answers_right_worst_drop", "worst drop of a right answer")]
     sim = HERE / "assets" / "massbalance" / "simulation.png"
     fig, axes = plt.subplots(1, 4 if sim.is_file() else 3, figsize=(17, 3.6))
-    for i, (name, seeds) in enumerate(sorted(runs.items(), key=lambda kv: int(kv[0][2:].split(",")[0]))):
+    # The configs in the order of their N ("N=16,B=4" -> 16).
+    for i, (name, seeds) in enumerate(sorted(runs.items(),
+                                             key=lambda kv: int(kv[0][2:].split(",")[0]))):
         evals = [[r for r in rows if "answers_q" in r] for rows in seeds.values()]
         steps = [r["step"] for r in evals[0]]
         for ax, (key, title) in zip(axes, panels):
@@ -278,7 +324,8 @@ def figure(raw: Path) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m tools.theorem1_study", description=__doc__.strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/theorem1", help="run directories (default: runs/theorem1)")
+    ap.add_argument("--out", default="runs/theorem1",
+                    help="run directories (default: runs/theorem1)")
     ap.add_argument("--raw", default=str(RAW), help="raw results (default: assets/theorem1)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="default 0..4")
     ap.add_argument("--only", nargs="+", choices=list(SWEEPS), default=list(SWEEPS))
@@ -287,7 +334,8 @@ def main(argv=None):
     ap.add_argument("--steps_keys2x2", type=int, default=20, help="steps a keys run (default 20)")
     ap.add_argument("--steps_prorl", type=int, default=150, help="steps a prorl run (default 150)")
     ap.add_argument("--cap", type=float, default=900, help="CPU s a run at most (default 900)")
-    ap.add_argument("--report", action="store_true", help="tables and figure from --raw; run nothing")
+    ap.add_argument("--report", action="store_true",
+                    help="tables and figure from --raw; run nothing")
     args = ap.parse_args(argv)
     raw = Path(args.raw)
     if args.report:

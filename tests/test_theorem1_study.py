@@ -1,0 +1,40 @@
+"""The Theorem 1 study's statistics and measures (tools/theorem1_study.py), by hand."""
+
+import math
+
+from tools import theorem1_study as study
+
+
+def test_mann_whitney_exact():
+    """Three against three, fully separated: 2 of the C(6, 3) = 20 relabellings are as extreme."""
+    assert study.mann_whitney([4, 5, 6], [1, 2, 3]) == 2 / 20
+    # U = 3 against its mean 4.5: U <= 3 or U >= 6 in 7 + 7 of the 20 (U's counts 1 1 2 3 3 3 3 2 1 1)
+    assert study.mann_whitney([1, 3, 5], [2, 4, 6]) == 14 / 20
+    assert study.mann_whitney([1.0] * 3, [1.0] * 3) == 1.0  # all ties
+
+
+def test_welch_against_known_values():
+    """Equal sizes and variances: Welch's t is Student's; its two-sided p at the 5% critical values
+    (df 8: 2.306; df 4: 2.776) is 0.05."""
+    for df, crit in ((8, 2.306), (4, 2.776)):
+        n = df // 2 + 1  # two samples of n: df = 2n - 2
+        xs = [float(i) for i in range(n)]
+        sd = math.sqrt(sum((x - sum(xs) / n) ** 2 for x in xs) / (n - 1))
+        shift = crit * sd * math.sqrt(2 / n)
+        t, p = study.welch([x + shift for x in xs], xs)
+        assert abs(t - crit) < 1e-9 and abs(p - 0.05) < 2e-3, (df, t, p)
+
+
+def test_reach_separates_below_the_gate_from_never_sampled_right():
+    """Four prompts: two below the gate at the start, of which one was sampled right; one in the gate
+    never sampled right that sank below it."""
+    rows = [dict(step=0, mass_exact_prompts=["a", "b", "c", "d"], mass_exact_mean=0.1,
+                 mass_exact_log10=[-4.0, -3.0, -2.0, -0.5]),
+            dict(step=1, sampled_right=["a", "d"]),
+            dict(step=2, sampled_right=["d"], mass_exact_mean=0.1, mass_exact_log10=[-1.0, -4.5, -3.0, -0.4])]
+    m = study.reach(rows)
+    assert (m["below"], m["below_fell"], m["below_fell_decade"]) == (2, 1, 1)
+    assert m["below_dlog10_median"] == (3.0 - 1.5) / 2
+    assert (m["never"], m["never_fell"], m["never_dlog10_median"]) == (2, 2, -1.25)
+    assert (m["below_never"], m["below_never_dlog10_median"]) == (1, -1.5)
+    assert (m["gate"], m["gate_sank"]) == (1, 1)

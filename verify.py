@@ -157,7 +157,8 @@ def _read_boxes(text, start):
         if prev < 0:
             break
         answer, end = _read_box(text, prev)
-        if answer is None or end > start or start - end > 48 or not _BOX_GAP.fullmatch(text, end, start):
+        if (answer is None or end > start or start - end > 48
+                or not _BOX_GAP.fullmatch(text, end, start)):
             break
         if answer not in answers:  # the same box twice is one answer
             answers.append(answer)
@@ -220,8 +221,10 @@ _MIXED_TEX = re.compile(r"(-?)([0-9]+)\\frac\{([0-9]+)\}\{([0-9]+)\}")
 _BARE_ARG = re.compile(r"\\(frac|sqrt)([0-9])")     # \frac12 -> \frac{1}2, \sqrt2 -> \sqrt{2}
 _BARE_ARG2 = re.compile(r"(\\frac\{[^{}]*\})([0-9])")  # \frac{1}2 -> \frac{1}{2}
 _LHS = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?[a-zA-Z0-9]+\}?)?\\in(?![a-zA-Z])")  # x \in
-# a label: letters, commands, subscripts, primes, and ( ) , + - * between them; no digit but in a subscript
-_LABEL = re.compile(r"(?:[a-zA-Z(]|\\[a-zA-Z]+)(?:[a-zA-Z(),+\-*']|\\[a-zA-Z]+|_\{?[a-zA-Z0-9]+\}?)*=")
+# A label: letters, commands, subscripts, primes, and ( ) , + - * between them; no digit but in a
+# subscript.
+_LABEL = re.compile(r"(?:[a-zA-Z(]|\\[a-zA-Z]+)"
+                    r"(?:[a-zA-Z(),+\-*']|\\[a-zA-Z]+|_\{?[a-zA-Z0-9]+\}?)*=")
 
 
 def _to_ascii(s):
@@ -709,8 +712,8 @@ def _load_math_verify():
     try:
         import math_verify
     except ImportError as e:
-        raise ImportError("verifier 'math_verify' or 'both' needs the optional math-verify package: "
-                          "pip install math-verify") from e
+        raise ImportError("verifier 'math_verify' or 'both' needs the optional math-verify "
+                          "package: pip install math-verify") from e
     for name in [n for n in logging.Logger.manager.loggerDict if n.split(".")[0] == "math_verify"]:
         logging.getLogger(name).addFilter(_shorten_log)  # its loggers: a whole input never printed
     return math_verify
@@ -729,9 +732,10 @@ def _shorten_log(record):
 
 
 def choose_verifier(task, asked="auto"):
-    """The verifier a run uses: the arith task has a rule of its own (rules, whatever was asked); on
-    math, auto is the paper's (rules or Math-Verify: both) when math-verify is installed, else rules.
-    Asking for math_verify or both without the package raises ImportError saying what to install."""
+    """The verifier a run uses: the arith task has a rule of its own (rules, whatever was
+    asked); on math, auto is the paper's (rules or Math-Verify: both) when math-verify is
+    installed, else rules. Asking for math_verify or both without the package raises ImportError
+    saying what to install."""
     if task in ("arith", "sets"):
         return "rules"
     try:

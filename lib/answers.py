@@ -27,12 +27,14 @@ PASS_K = [2 ** i for i in range(11)]  # 1 ... 1024
 
 
 def space(task: str) -> list:
-    """Every answer of a task whose answer space is enumerable, as strings; [] for any other task."""
+    """Every answer of a task whose answer space is enumerable, as strings; [] for any other
+    task."""
     return [str(v) for v in data.SETS_VALUES] if task == "sets" else []
 
 
 def right_mask(examples, answers: list) -> torch.Tensor:
-    """(P, A) bool: which answers of the space each example's gold (comma-separated values) accepts."""
+    """(P, A) bool: which answers of the space each example's gold (comma-separated values)
+    accepts."""
     index = {a: i for i, a in enumerate(answers)}
     mask = torch.zeros(len(examples), len(answers), dtype=torch.bool)
     for row, x in enumerate(examples):
@@ -44,7 +46,8 @@ def right_mask(examples, answers: list) -> torch.Tensor:
 def distribution(model, tok, examples, answers: list, temperature: float, system_prompt: str = "",
                  rows_per_pass: int = 8192) -> torch.Tensor:
     """log p(answer | prompt) (P, A) float64 for every answer of the space, at `temperature`: the
-    tempered log-probs of the update's path (float32 per token, as training's), summed in float64."""
+    tempered log-probs of the update's path (float32 per token, as training's), summed in
+    float64."""
     dev = next(model.parameters()).device
     resp_ids = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
     T, A = max(max(map(len, resp_ids)), 2), len(answers)
@@ -71,10 +74,10 @@ def distribution(model, tok, examples, answers: list, temperature: float, system
 
 
 def measures(logp: torch.Tensor, right: torch.Tensor, first: torch.Tensor = None) -> dict:
-    """Per prompt (P,) from log p (P, A) and the right answers (P, A): Q, the mass outside the space,
-    the entropy over answers in nats (the outside mass one outcome), and against `first` (the first
-    eval's log p, same prompts): the share of right answers whose probability rose and the worst
-    drop of a right answer's probability (0 if none fell)."""
+    """Per prompt (P,) from log p (P, A) and the right answers (P, A): Q, the mass outside the
+    space, the entropy over answers in nats (the outside mass one outcome), and against `first`
+    (the first eval's log p, same prompts): the share of right answers whose probability rose and
+    the worst drop of a right answer's probability (0 if none fell)."""
     p = logp.exp()  # (P, A)
     outside = (1 - p.sum(1)).clamp(min=0)  # (P,)
     plogp = torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(1)  # (P,)
@@ -89,7 +92,8 @@ def measures(logp: torch.Tensor, right: torch.Tensor, first: torch.Tensor = None
 
 
 def pass_at_k(q: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact pass@k(x) = 1 - (1 - Q(x))^k (P,), computed as -expm1(k log1p(-Q)): exact near Q = 0."""
+    """Exact pass@k(x) = 1 - (1 - Q(x))^k (P,), computed as -expm1(k log1p(-Q)): exact near
+    Q = 0."""
     return -torch.expm1(k * torch.log1p(-q.clamp(max=1)))
 
 

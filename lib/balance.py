@@ -38,11 +38,13 @@ def sampled_sets(group, keep: torch.Tensor, space_index: dict) -> tuple:
 
 def theorem_terms(p: torch.Tensor, right: torch.Tensor, drawn: list, mean_reward: float) -> dict:
     """Theorem 1's quantities for one group: p (A+1,) the answer distribution (the last entry the
-    mass outside the space), right (A+1,) bool, drawn the sampled answers' indices, mean_reward r."""
+    mass outside the space), right (A+1,) bool, drawn the sampled answers' indices, mean_reward
+    r."""
     sampled = torch.zeros_like(right)
     sampled[drawn] = True
     R_c, R_w = 1 - mean_reward, -mean_reward  # rewards centred by the group's mean
-    sets = dict(A=sampled & right, B=sampled & ~right, U_pos=~sampled & right, U_neg=~sampled & ~right)
+    sets = dict(A=sampled & right, B=sampled & ~right, U_pos=~sampled & right,
+                U_neg=~sampled & ~right)
     Q_pos = p[right].sum().item()
     Q_neg = 1 - Q_pos
     P_pos, P_neg = p[sets["A"]].sum().item(), p[sets["B"]].sum().item()
@@ -91,7 +93,8 @@ def records(before: Snapshot, after: Snapshot, kept: list, keep: torch.Tensor, s
         rec = dict(prompt=k.example["prompt"], n=len(k.rewards), mean_reward=r, drawn=len(drawn),
                    q_before=p0[g][right[g]].sum().item(), q_after=p1[g][right[g]].sum().item(), **t)
         for name, s in sets.items():
-            rec[f"{name}_before"], rec[f"{name}_after"] = p0[g][s].sum().item(), p1[g][s].sum().item()
+            rec[f"{name}_before"], rec[f"{name}_after"] = (p0[g][s].sum().item(),
+                                                           p1[g][s].sum().item())
         groups.append({k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in rec.items()})
     d_others = (after.others_log_q - before.others_log_q) / math.log(10)  # (O,)
     du = [x["U_pos_after"] - x["U_pos_before"] for x in groups]

@@ -1,20 +1,22 @@
 """
-mass.py: the exact correct mass of a prompt. Theorem 1 and Lemma 2 (docs/paper.md §3) are about Q_pos,
-the correct mass of one softmax over free logits; a language model's per-prompt Q(x), the probability
-the policy gives its correct answers, is read by analogy to it. The probe (brorl.probe_mass) samples
-Q(x) (the probe's Q), which cannot see a mass below 1 / probe_samples; this module computes it (the
-exact Q). Where the right answer is one token sequence (the arith
-and keys tasks: the digits of the gold, then EOS), Q(x) is exact: the product of that sequence's tempered
-token probabilities, teacher-forced, from one forward through the log-prob path the update uses
-(lib/policy.py's response_logprobs, the log-prob kernel). It is a lower bound on the verifier's accepted mass:
-the integer rule also takes " 579" or "0579", strings no warm start ever wrote.
+mass.py: the exact correct mass of a prompt. Theorem 1 and Lemma 2 (docs/paper.md §3) are about
+Q_pos, the correct mass of one softmax over free logits; a language model's per-prompt Q(x), the
+probability the policy gives its correct answers, is read by analogy to it. The probe
+(brorl.probe_mass) samples Q(x) (the probe's Q), which cannot see a mass below 1 / probe_samples;
+this module computes it (the exact Q). Where the right answer is one token sequence (the arith and
+keys tasks: the digits of the gold, then EOS), Q(x) is exact: the product of that sequence's
+tempered token probabilities, teacher-forced, from one forward through the log-prob path the
+update uses (lib/policy.py's response_logprobs, the log-prob kernel). It is a lower bound on the
+verifier's accepted mass: the integer rule also takes " 579" or "0579", strings no warm start ever
+wrote.
 
-Zones, for a policy that samples N rollouts of a prompt (gate_small_n = 16, ProRL's N; gate_large_n = 512,
-BroRL's): Q >= 1/16 "high" (N = 16 sees the right answer about once a group or more); 1/512 <= Q < 1/16
-"gate" (N = 512 sees it, N = 16 mostly not: where breadth can act); below, "low" (neither: an update moves
-its mass only through the unsampled coupling). Logged at every eval: mean Q, median log10 Q, the count
-per zone, and every prompt's log10 Q (mass_exact_log10, in the set's fixed order) so zone migration
-between any two evals can be recomputed from metrics.jsonl.
+Zones, for a policy that samples N rollouts of a prompt (gate_small_n = 16, ProRL's N;
+gate_large_n = 512, BroRL's): Q >= 1/16 "high" (N = 16 sees the right answer about once a group
+or more); 1/512 <= Q < 1/16 "gate" (N = 512 sees it, N = 16 mostly not: where breadth can act);
+below, "low" (neither: an update moves its mass only through the unsampled coupling). Logged at
+every eval: mean Q, median log10 Q, the count per zone, and every prompt's log10 Q
+(mass_exact_log10, in the set's fixed order) so zone migration between any two evals can be
+recomputed from metrics.jsonl.
 """
 
 import math
@@ -30,64 +32,80 @@ CANONICAL_TASKS = ("arith", "keys", "sets")  # tasks whose right answers are lis
 
 
 def prompt_set(cfg, eval_set) -> list:
-    """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts training
-    prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair prompt by prompt);
-    none unless every one has a canonical answer (the integer rule's tasks: arith, keys)."""
+    """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts
+    training prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair
+    prompt by prompt); none unless every one has a canonical answer (the integer rule's tasks:
+    arith, keys)."""
     if cfg.task not in CANONICAL_TASKS:
         return []
     try:
-        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(  # (keys: all 512 at most)
+        # The keys task has 512 prompts at most.
+        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(
             cfg.task, "train", n=cfg.mass_prompts, seed=cfg.eval_seed, digits=cfg.digits)
     except ValueError as e:  # more than an arith split holds (few digits)
         fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
-    return rows if all(x["task"] in ("arith", "sets") for x in rows) else []  # e.g. --eval_task math:...: no exact Q
+    # A set with another task's rows (e.g. --eval_task math:...) has no exact Q.
+    return rows if all(x["task"] in ("arith", "sets") for x in rows) else []
 
 
 def ids_batch(prompts: list, responses: list, dev) -> dict:
-    """The update's batch format (lib/policy.pack_groups), one response a prompt, from token id lists:
-    prompts left-padded to P, responses right-padded to T (at least 2 columns: response_logprobs' calls)."""
+    """The update's batch format (lib/policy.pack_groups), one response a prompt, from token id
+    lists: prompts left-padded to P, responses right-padded to T (at least 2 columns:
+    response_logprobs' calls)."""
     G, P, T = len(prompts), max(map(len, prompts)), max(2, max(map(len, responses)))
-    prompt, prompt_mask = torch.zeros(G, P, dtype=torch.long), torch.zeros(G, P, dtype=torch.bool)  # (G, P)
-    resp, resp_mask = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T, dtype=torch.bool)  # (G, T)
+    # (G, P) each.
+    prompt, prompt_mask = torch.zeros(G, P, dtype=torch.long), torch.zeros(G, P, dtype=torch.bool)
+    # (G, T) each.
+    resp, resp_mask = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T, dtype=torch.bool)
     for i, (p, a) in enumerate(zip(prompts, responses)):
         prompt[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), True
         resp[i, :len(a)], resp_mask[i, :len(a)] = torch.tensor(a), True
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp.to(dev), resp_mask=resp_mask.to(dev),
-                group=torch.arange(G, device=dev), sampler_logp=torch.zeros(G, T, device=dev))
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp.to(dev),
+                resp_mask=resp_mask.to(dev), group=torch.arange(G, device=dev),
+                sampler_logp=torch.zeros(G, T, device=dev))
 
 
 @torch.no_grad()
-def sequence_log_mass(model, prompts: list, responses: list, temperature: float, chunk: int = 512) -> torch.Tensor:
-    """log P(response | prompt) (P,) float64 for token id lists, at `temperature`: the tempered log-probs of
-    the update's path (float32 per token, as training's), summed in float64 (Q may be 1e-20)."""
+def sequence_log_mass(model, prompts: list, responses: list, temperature: float,
+                      chunk: int = 512) -> torch.Tensor:
+    """log P(response | prompt) (P,) float64 for token id lists, at `temperature`: the tempered
+    log-probs of the update's path (float32 per token, as training's), summed in float64 (Q may be
+    1e-20)."""
     dev = next(model.parameters()).device
     out = []
     for i in range(0, len(prompts), chunk):
         batch = ids_batch(prompts[i: i + chunk], responses[i: i + chunk], dev)
-        logp = response_logprobs(model, batch, torch.arange(len(batch["group"]), device=dev), temperature)  # (p, T)
+        logp = response_logprobs(model, batch, torch.arange(len(batch["group"]), device=dev),
+                                 temperature)  # (p, T)
         out.append((logp.double() * batch["resp_mask"]).sum(1).cpu())  # (p,)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def exact_log_mass(model, tok, examples, temperature: float, system_prompt: str = "") -> torch.Tensor:
-    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS; for
-    the sets task, of each of its right values (the gold's comma-separated list), summed."""
+def exact_log_mass(model, tok, examples, temperature: float,
+                   system_prompt: str = "") -> torch.Tensor:
+    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS;
+    for the sets task, of each of its right values (the gold's comma-separated list), summed."""
     prompts = [encode_prompt(tok, x["prompt"], system_prompt) for x in examples]
     if any(x["task"] == "sets" for x in examples):
         values = [x["answer"].split(",") for x in examples]
         owner = torch.tensor([i for i, v in enumerate(values) for _ in v])  # (rows,) its example
-        rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for v in values for a in v]
-        logp = sequence_log_mass(model, [prompts[i] for i in owner.tolist()], rows, temperature)  # (rows,)
+        rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                for v in values for a in v]
+        logp = sequence_log_mass(model, [prompts[i] for i in owner.tolist()], rows,
+                                 temperature)  # (rows,)
         return torch.stack([torch.logsumexp(logp[owner == i], 0) for i in range(len(examples))])
-    answers = [tok(x["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for x in examples]
+    answers = [tok(x["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+               for x in examples]
     return sequence_log_mass(model, prompts, answers, temperature)
 
 
 def zone(log10_q: float, small_n: int, large_n: int) -> str:
-    """A prompt's zone from its log10 Q (as metrics.jsonl keeps it): "high" (Q >= 1/small_n), "gate"
-    (1/large_n <= Q < 1/small_n) or "low" (Q < 1/large_n). The one definition: the eval's counts, the
-    sweeps' zone migration (tools/ablate.py) and the study's branch point (tools/breadth_study.py)."""
-    return "high" if log10_q >= -math.log10(small_n) else "gate" if log10_q >= -math.log10(large_n) else "low"
+    """A prompt's zone from its log10 Q (as metrics.jsonl keeps it): "high" (Q >= 1/small_n),
+    "gate" (1/large_n <= Q < 1/small_n) or "low" (Q < 1/large_n). The one definition: the eval's
+    counts, the sweeps' zone migration (tools/ablate.py) and the study's branch point
+    (tools/breadth_study.py)."""
+    return ("high" if log10_q >= -math.log10(small_n)
+            else "gate" if log10_q >= -math.log10(large_n) else "low")
 
 
 def zone_counts(log_q: torch.Tensor, small_n: int, large_n: int) -> dict:
@@ -97,7 +115,8 @@ def zone_counts(log_q: torch.Tensor, small_n: int, large_n: int) -> dict:
 
 
 def exact_mass(model, tok, examples, cfg) -> dict:
-    """The eval's exact-mass metrics of `examples` (prompt_set) at the training temperature; {} if none."""
+    """The eval's exact-mass metrics of `examples` (prompt_set) at the training temperature; {} if
+    none."""
     if not examples:
         return {}
     log_q = exact_log_mass(model, tok, examples, cfg.temperature, cfg.system_prompt)  # (P,)
@@ -105,4 +124,5 @@ def exact_mass(model, tok, examples, cfg) -> dict:
     return {"mass_exact_mean": log_q.exp().mean().item(),
             "mass_exact_log10_median": torch.quantile(log_q, 0.5).item() / math.log(10),
             **{f"mass_exact_{k}": v for k, v in zones.items()},
-            "mass_exact_log10": [round(x / math.log(10), 4) for x in log_q.tolist()]}  # per prompt
+            # Every prompt's log10 Q, in the set's fixed order.
+            "mass_exact_log10": [round(x / math.log(10), 4) for x in log_q.tolist()]}

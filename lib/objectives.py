@@ -1,54 +1,61 @@
 """
-objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a drop-in
-for one piece of it. --loss gspo and --loss cispo replace PPO-clip's per-token loss (brorl.policy_token_loss
-picks one; with --loss gspo, --loss_agg auto is GSPO's per-sequence mean: aggregation); --train_rollouts m
-trains each group on the m of its N rollouts whose rewards vary most (PODS), keeping the breadth of
-sampling without the update's cost. The paper's own pieces (PPO-clip with dual-clip, TIS, the k2 KL, the
-normalisers) are in brorl.py.
+objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a
+drop-in for one piece of it. --loss gspo and --loss cispo replace PPO-clip's per-token loss
+(brorl.policy_token_loss picks one; with --loss gspo, --loss_agg auto is GSPO's per-sequence mean:
+aggregation); --train_rollouts m trains each group on the m of its N rollouts whose rewards vary
+most (PODS), keeping the breadth of sampling without the update's cost. The paper's own pieces
+(PPO-clip with dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
 """
 
 import torch
 
 
 def aggregation(loss: str, loss_agg: str) -> str:
-    """--loss_agg as run: auto is the per-sequence mean with --loss gspo (its paper's objective, and what verl
-    hard-codes inside its GSPO loss: a token mean would weigh each sequence's ratio by its length, another
-    gradient on ragged batches), the token mean (DAPO's) otherwise."""
+    """--loss_agg as run: auto is the per-sequence mean with --loss gspo (its paper's objective,
+    and what verl hard-codes inside its GSPO loss: a token mean would weigh each sequence's ratio
+    by its length, another gradient on ragged batches), the token mean (DAPO's) otherwise."""
     if loss_agg != "auto":
         return loss_agg
     return "sequence" if loss == "gspo" else "token"
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
-    """PODS's max-variance down-sampling (arXiv 2504.13818): rewards (G, N) -> indices (G, m), ascending,
-    of the m rollouts of each group whose rewards have the largest variance. The maximiser is always the
-    i highest and the m - i lowest rewards for some i (PODS, Lemma 3.1): try all m + 1. With binary
-    rewards it is the balanced set, as many right as wrong as the group allows. m = N keeps all, in order."""
+    """PODS's max-variance down-sampling (arXiv 2504.13818): rewards (G, N) -> indices (G, m),
+    ascending, of the m rollouts of each group whose rewards have the largest variance. The
+    maximiser is always the i highest and the m - i lowest rewards for some i (PODS, Lemma 3.1):
+    try all m + 1. With binary rewards it is the balanced set, as many right as wrong as the group
+    allows. m = N keeps all, in order."""
     G, N = rewards.shape
     order = rewards.argsort(dim=1, descending=True, stable=True)  # (G, N)
-    cands = torch.stack([torch.cat([order[:, :i], order[:, N - (m - i):]], 1) for i in range(m + 1)])  # (m+1, G, m)
-    best = rewards[torch.arange(G)[:, None], cands].var(2, unbiased=False).argmax(0)  # (G,) first of the best
+    # (m+1, G, m): candidate i is the i highest rewards and the m - i lowest.
+    cands = torch.stack([torch.cat([order[:, :i], order[:, N - (m - i):]], 1)
+                         for i in range(m + 1)])
+    # (G,) the first of the candidates with the largest variance.
+    best = rewards[torch.arange(G)[:, None], cands].var(2, unbiased=False).argmax(0)
     return cands[best, torch.arange(G)].sort(1).values  # (G, m)
 
 
 def gspo_token_loss(logp, old_logp, adv, mask, clip_low, clip_high):
     """GSPO (arXiv 2507.18071), per token (r, T). Where PPO has a ratio per token, GSPO has one per
-    sequence, s = exp(mean over its tokens of logp - logp_old) (the geometric mean of its token ratios:
-    length-normalised, so it stays near 1), clipped per sequence, [1 - 3e-4, 1 + 4e-4] in the paper:
-    a clipped sequence gives no gradient at all. Returned in the paper's GSPO-token form, ratio_t =
-    sg(s) * exp(logp_t - sg(logp_t)): each token's value is its sequence's, and the per-row mean
-    (--loss_agg sequence, the paper's) gives exactly the gradient of -min(s A, clip(s) A) per sequence."""
+    sequence, s = exp(mean over its tokens of logp - logp_old) (the geometric mean of its token
+    ratios: length-normalised, so it stays near 1), clipped per sequence, [1 - 3e-4, 1 + 4e-4] in
+    the paper: a clipped sequence gives no gradient at all. Returned in the paper's GSPO-token
+    form, ratio_t = sg(s) * exp(logp_t - sg(logp_t)): each token's value is its sequence's, and
+    the per-row mean (--loss_agg sequence, the paper's) gives exactly the gradient of
+    -min(s A, clip(s) A) per sequence."""
     n = mask.sum(1).clamp(min=1)  # (r,) valid tokens per row
     log_s = ((logp - old_logp) * mask).sum(1) / n  # (r,) log of the sequence ratio
-    ratio = torch.exp((logp - logp.detach() + log_s.detach()[:, None]).clamp(-20, 20))  # (r, T), value s
+    # (r, T): each token's value is its sequence's ratio s.
+    ratio = torch.exp((logp - logp.detach() + log_s.detach()[:, None]).clamp(-20, 20))
     a = adv[:, None]  # (r, 1)
     return torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a), ratio  # (r, T)
 
 
 def cispo_token_loss(logp, old_logp, adv, clip_high):
-    """CISPO (MiniMax-M1, arXiv 2506.13585), per token (r, T): -sg(min(ratio, 1 + eps_high)) * A * logp.
-    Where PPO drops a token whose ratio left the trust region (zero gradient), CISPO keeps every token's
-    REINFORCE gradient and clips only its importance weight, detached. The paper sets no lower bound and
-    tunes eps_high without publishing it: here --clip_high (0.28), verl's clip_ratio_high."""
+    """CISPO (MiniMax-M1, arXiv 2506.13585), per token (r, T): -sg(min(ratio, 1 + eps_high)) * A *
+    logp. Where PPO drops a token whose ratio left the trust region (zero gradient), CISPO keeps
+    every token's REINFORCE gradient and clips only its importance weight, detached. The paper sets
+    no lower bound and tunes eps_high without publishing it: here --clip_high (0.28), verl's
+    clip_ratio_high."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
     return -ratio.clamp(max=1 + clip_high).detach() * adv[:, None] * logp, ratio

@@ -1,11 +1,12 @@
 """
-report.py: the run's rows sent to the dashboards people watch (--report_to tensorboard, wandb, or both),
-beside metrics.jsonl, which stays the record. Each step's dict, the one metrics.jsonl gets, goes under
-grouped names (rollout/, update/, eval/, mass/, time/) with the step as x; the config once, as
-hyperparameters; samples.jsonl's records at each step as a table. The run's name is its directory's; a
---resume continues the same run: TensorBoard the same log dir (<out>/tensorboard), the steps after the
-checkpoint purged; wandb the run whose id <out>/wandb_id holds. Both packages are optional: a missing one
-stops the run with one line before anything is done. Rank 0 alone reports (Report opens no backend on the others).
+report.py: the run's rows sent to the dashboards people watch (--report_to tensorboard, wandb, or
+both), beside metrics.jsonl, which stays the record. Each step's dict, the one metrics.jsonl gets,
+goes under grouped names (rollout/, update/, eval/, mass/, time/) with the step as x; the config
+once, as hyperparameters; samples.jsonl's records at each step as a table. The run's name is its
+directory's; a --resume continues the same run: TensorBoard the same log dir (<out>/tensorboard),
+the steps after the checkpoint purged; wandb the run whose id <out>/wandb_id holds. Both packages
+are optional: a missing one stops the run with one line before anything is done. Rank 0 alone
+reports (Report opens no backend on the others).
 """
 
 import dataclasses
@@ -15,12 +16,14 @@ from pathlib import Path
 
 from lib.config import fail
 
-# the install command named when a backend's package is missing: requirements.txt's pins
+# The install command named when a backend's package is missing: requirements.txt's pins.
 INSTALL = {"tensorboard": "pip install tensorboard==2.21.0", "wandb": "pip install wandb==0.31.0"}
-# the per-step keys of brorl.step_metrics that describe the rollouts; the rest of a training row is the update's
-ROLLOUT = ("reward_mean", "keep_rate", "groups_kept", "sample_rounds", "samples", "zero_adv_frac", "pass@1",
-           "pass@N", "resp_len", "tokens_per_s")
-COLUMNS = ("step", "kind", "prompt", "answer", "response", "reward", "length", "truncated", "advantage")
+# The per-step keys of brorl.step_metrics that describe the rollouts; the rest of a training row is
+# the update's.
+ROLLOUT = ("reward_mean", "keep_rate", "groups_kept", "sample_rounds", "samples", "zero_adv_frac",
+           "pass@1", "pass@N", "resp_len", "tokens_per_s")
+COLUMNS = ("step", "kind", "prompt", "answer", "response", "reward", "length", "truncated",
+           "advantage")
 
 
 def backends(report_to: str) -> list:
@@ -29,7 +32,8 @@ def backends(report_to: str) -> list:
 
 
 def require(report_to: str):
-    """Stop with one line naming the package and its install command if a backend's is not installed."""
+    """Stop with one line naming the package and its install command if a backend's is not
+    installed."""
     for name in backends(report_to):
         try:
             __import__(name)
@@ -41,8 +45,8 @@ def require(report_to: str):
 
 def grouped(row: dict) -> dict:
     """The row's numbers under dashboard names: eval_pass@1 -> eval/pass@1, mass_mean -> mass/mean,
-    time_rollout -> time/rollout, reward_mean -> rollout/reward_mean, entropy -> update/entropy. Lists
-    (eval_correct, per problem) and the step itself stay in metrics.jsonl alone."""
+    time_rollout -> time/rollout, reward_mean -> rollout/reward_mean, entropy -> update/entropy.
+    Lists (eval_correct, per problem) and the step itself stay in metrics.jsonl alone."""
     out = {}
     for key, value in row.items():
         if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -56,7 +60,8 @@ def grouped(row: dict) -> dict:
 
 
 def table_rows(records: list) -> list:
-    """samples.jsonl's records (with their step) as rows of COLUMNS; a field a kind lacks is empty."""
+    """samples.jsonl's records (with their step) as rows of COLUMNS; a field a kind lacks is
+    empty."""
     return [[r.get(c, "") for c in COLUMNS] for r in records]
 
 
@@ -65,10 +70,10 @@ def table_rows(records: list) -> list:
 
 
 class TensorBoard:
-    """Event files in <out>/tensorboard, scalars in float64 (exactly metrics.jsonl's), the samples as a
-    markdown table (text). purge_step: what an earlier segment of the run logged from this segment's
-    first step on is not drawn (a resumed run's steps after its checkpoint; everything, for a fresh
-    start in the same directory)."""
+    """Event files in <out>/tensorboard, scalars in float64 (exactly metrics.jsonl's), the samples
+    as a markdown table (text). purge_step: what an earlier segment of the run logged from this
+    segment's first step on is not drawn (a resumed run's steps after its checkpoint; everything,
+    for a fresh start in the same directory)."""
 
     def __init__(self, cfg, out: Path, start: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -85,9 +90,11 @@ class TensorBoard:
             self.writer.add_scalar(name, value, row["step"], new_style=True, double_precision=True)
 
     def samples(self, step: int, records: list):
-        cell = lambda v: json.dumps(v)[1:-1] if isinstance(v, str) else str(v)  # one line, quotes escaped
+        # A cell is one line, its quotes escaped.
+        cell = lambda v: json.dumps(v)[1:-1] if isinstance(v, str) else str(v)
         lines = ["| " + " | ".join(COLUMNS[1:]) + " |", "|" + "---|" * (len(COLUMNS) - 1)]
-        lines += ["| " + " | ".join(cell(v).replace("|", "\\|") for v in row[1:]) + " |" for row in table_rows(records)]
+        lines += ["| " + " | ".join(cell(v).replace("|", "\\|") for v in row[1:]) + " |"
+                  for row in table_rows(records)]
         self.writer.add_text(f"samples/{records[0]['kind']}", "\n".join(lines), step)
 
     def close(self):
@@ -95,18 +102,22 @@ class TensorBoard:
 
 
 class Wandb:
-    """A wandb run named after the run directory, its id kept in <out>/wandb_id so that --resume continues
-    it; WANDB_MODE=offline, WANDB_PROJECT (default brorl), WANDB_RUN_GROUP (tools/ablate.py sets it) and
-    WANDB_DIR (default: the run directory) as wandb reads them. The samples as a wandb.Table."""
+    """A wandb run named after the run directory, its id kept in <out>/wandb_id so that --resume
+    continues it; WANDB_MODE=offline, WANDB_PROJECT (default brorl), WANDB_RUN_GROUP
+    (tools/ablate.py sets it) and WANDB_DIR (default: the run directory) as wandb reads them. The
+    samples as a wandb.Table."""
 
     def __init__(self, cfg, out: Path, start: int):
         import wandb
         self.wandb = wandb
         id_file = out / "wandb_id"
-        run_id = id_file.read_text().strip() if start and id_file.is_file() else None  # None: wandb makes one
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brorl"), id=run_id, resume="allow",
-                              name=os.environ.get("WANDB_NAME", out.name), dir=os.environ.get("WANDB_DIR", str(out)),
-                              config=dataclasses.asdict(cfg), allow_val_change=True)  # a resume may change flags
+        # The id of the run to continue; None makes wandb make one.
+        run_id = id_file.read_text().strip() if start and id_file.is_file() else None
+        # allow_val_change: a resume may change flags.
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "brorl"), id=run_id,
+                              resume="allow", name=os.environ.get("WANDB_NAME", out.name),
+                              dir=os.environ.get("WANDB_DIR", str(out)),
+                              config=dataclasses.asdict(cfg), allow_val_change=True)
         id_file.write_text(self.run.id)
 
     def log(self, row: dict):
@@ -121,12 +132,13 @@ class Wandb:
 
 
 class Report:
-    """The backends of --report_to, opened (none on ranks other than 0). start: the step the run starts
-    after (0, or a --resume's checkpoint)."""
+    """The backends of --report_to, opened (none on ranks other than 0). start: the step the run
+    starts after (0, or a --resume's checkpoint)."""
 
     def __init__(self, cfg, out: Path, start: int, main: bool):
         kinds = dict(tensorboard=TensorBoard, wandb=Wandb)
-        self.backends = [kinds[name](cfg, out, start) for name in backends(cfg.report_to)] if main else []
+        self.backends = ([kinds[name](cfg, out, start) for name in backends(cfg.report_to)]
+                         if main else [])
 
     def log(self, row: dict, records: list):
         """A row of metrics.jsonl and its step's samples.jsonl records."""

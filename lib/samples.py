@@ -1,19 +1,20 @@
 """
-samples.py: samples.jsonl, what the model writes. At every evaluation, the first --sample_responses of the
-responses sampled for each of the first --sample_prompts held-out prompts (the evaluation's own, at T = 0.6:
-nothing more is sampled); with --sample_groups G, each step's first G training groups, the same number of
-their responses each, with their advantages. One JSON object a line:
-  {"step", "kind": "eval" or "train", "prompt", "answer" (eval: the reference), "response", "reward",
-   "length" (tokens), "truncated", "advantage" (train)}
-Bounded whatever the run's length: a response longer than RESPONSE_CHARS keeps its head and its tail (where
-the answer is), and each kind keeps at most MAX_STEPS steps: past that, every other step is dropped (the first
-and the last stay), so the file still spans the whole run, older steps more sparsely than recent ones. At most
-(MAX_STEPS + 1) x sample_prompts x sample_responses eval lines, (MAX_STEPS + eval_every) x sample_groups x
-sample_responses train lines (train steps are thinned at evals), each under ~2 x RESPONSE_CHARS (prompt and
-response are clipped alike).
-A resumed run first drops the lines after its checkpoint, as metrics.jsonl does; the thinning happens right
-after checkpoints (and at the start), a function of the steps in the file, so a resumed run's file is the
-uninterrupted run's.
+samples.py: samples.jsonl, what the model writes. At every evaluation, the first
+--sample_responses of the responses sampled for each of the first --sample_prompts held-out prompts
+(the evaluation's own, at T = 0.6: nothing more is sampled); with --sample_groups G, each step's
+first G training groups, the same number of their responses each, with their advantages. One JSON
+object a line:
+  {"step", "kind": "eval" or "train", "prompt", "answer" (eval: the reference), "response",
+   "reward", "length" (tokens), "truncated", "advantage" (train)}
+Bounded whatever the run's length: a response longer than RESPONSE_CHARS keeps its head and its
+tail (where the answer is), and each kind keeps at most MAX_STEPS steps: past that, every other
+step is dropped (the first and the last stay), so the file still spans the whole run, older steps
+more sparsely than recent ones. At most (MAX_STEPS + 1) x sample_prompts x sample_responses eval
+lines, (MAX_STEPS + eval_every) x sample_groups x sample_responses train lines (train steps are
+thinned at evals), each under ~2 x RESPONSE_CHARS (prompt and response are clipped alike).
+A resumed run first drops the lines after its checkpoint, as metrics.jsonl does; the thinning
+happens right after checkpoints (and at the start), a function of the steps in the file, so a
+resumed run's file is the uninterrupted run's.
 """
 
 import json
@@ -29,7 +30,8 @@ MAX_STEPS = 64  # steps of each kind kept; default run: 5 evaluations
 
 
 def clip(text: str, limit: int = RESPONSE_CHARS) -> str:
-    """text, or its first quarter and last three quarters of `limit` around a marker of what was cut."""
+    """text, or its first quarter and last three quarters of `limit` around a marker of what was
+    cut."""
     if len(text) <= limit:
         return text
     head, tail = limit // 4, limit - limit // 4
@@ -41,9 +43,10 @@ def clip(text: str, limit: int = RESPONSE_CHARS) -> str:
 
 
 def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
-    """The first --sample_responses responses to each of the first --sample_prompts held-out prompts, gathered
-    from the ranks that sampled them (every rank calls this). ro: this rank's Rollouts (n a prompt) of
-    examples[mine], None if its share is empty; correct, lengths, truncated (len(examples), n) all ranks'."""
+    """The first --sample_responses responses to each of the first --sample_prompts held-out
+    prompts, gathered from the ranks that sampled them (every rank calls this). ro: this rank's
+    Rollouts (n a prompt) of examples[mine], None if its share is empty; correct, lengths,
+    truncated (len(examples), n) all ranks'."""
     n = cfg.eval_samples
     return distributed.gather_list([
         dict(kind="eval", prompt=clip(examples[i]["prompt"]), answer=str(examples[i]["answer"]),
@@ -84,8 +87,9 @@ def group_records(kept, keep, adv, tok, cfg) -> list:
 
 
 def read(path: Path) -> list:
-    """The records of samples.jsonl. A last line cut short (a full disk, a kill as it was written) is dropped
-    with a line, as metrics.jsonl's; any other unreadable line stops with one line naming it."""
+    """The records of samples.jsonl. A last line cut short (a full disk, a kill as it was written)
+    is dropped with a line, as metrics.jsonl's; any other unreadable line stops with one line
+    naming it."""
     lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
     records = []
     for i, line in enumerate(lines, 1):
@@ -94,7 +98,8 @@ def read(path: Path) -> list:
         except json.JSONDecodeError:
             if i < len(lines):
                 fail(f"{path}: line {i} is not a record ({line[:60]!r})")
-            print(f"{path}: dropped its last line, cut short ({len(line)} characters)", file=sys.stderr)
+            print(f"{path}: dropped its last line, cut short ({len(line)} characters)",
+                  file=sys.stderr)
     return records
 
 
@@ -106,7 +111,8 @@ def rewrite(path: Path, records: list):
 
 
 def rewind(path: Path, upto: int):
-    """Keep the records of steps <= upto: a resumed run redoes the steps after its checkpoint (upto -1: none)."""
+    """Keep the records of steps <= upto: a resumed run redoes the steps after its checkpoint (upto
+    -1: none)."""
     rewrite(path, [r for r in read(path) if r["step"] <= upto])
 
 
@@ -116,15 +122,17 @@ def append(path: Path, step: int, records: list):
 
 
 def kept_steps(steps: list, cap: int) -> set:
-    """Of sorted distinct steps, those kept: all while at most cap; past it every other one (the first and
-    the last always), again until at most cap are left. A function of the steps alone: thinning twice is once."""
+    """Of sorted distinct steps, those kept: all while at most cap; past it every other one (the
+    first and the last always), again until at most cap are left. A function of the steps alone:
+    thinning twice is once."""
     while len(steps) > cap:
         steps = steps[::2] + ([steps[-1]] if len(steps) % 2 == 0 else [])
     return set(steps)
 
 
 def thin(path: Path, cap: int = 0):
-    """Each kind down to at most cap (default MAX_STEPS) steps (kept_steps); rewritten only when that changes it."""
+    """Each kind down to at most cap (default MAX_STEPS) steps (kept_steps); rewritten only when
+    that changes it."""
     records, cap = read(path), cap or MAX_STEPS
     keep = {kind: kept_steps(sorted({r["step"] for r in records if r["kind"] == kind}), cap)
             for kind in {r["kind"] for r in records}}

@@ -67,7 +67,8 @@ def gsm8k_row(row, where: str) -> dict:
     k = solution.rfind("####")
     final = solution[k + 4:].strip().replace(",", "") if k >= 0 else ""
     if not _GSM8K_NUMBER.fullmatch(final):
-        raise ValueError(f"{where}: 'answer' must end in '#### <number>', got ...{solution[-40:]!r}")
+        raise ValueError(f"{where}: 'answer' must end in '#### <number>', "
+                         f"got ...{solution[-40:]!r}")
     return _example(question, final)
 
 
@@ -78,7 +79,8 @@ def math_row(row, where: str) -> dict:
         solution = _text(row, "solution", where)
         gold = last_boxed(solution)
         if gold is None:
-            raise ValueError(f"{where}: no 'answer', and its 'solution' has no closed \\boxed{{...}}")
+            raise ValueError(f"{where}: no 'answer', "
+                             f"and its 'solution' has no closed \\boxed{{...}}")
         return _example(problem, gold)
     return _example(problem, _text(row, "answer", where, numbers_ok=True))
 
@@ -112,12 +114,13 @@ def last_boxed(text: str):
 
 
 def import_datasets(what: str):
-    """The optional `datasets` package, or a ValueError (one line: the run stops naming it) saying what to install."""
+    """The optional `datasets` package, or a ValueError (one line: the run stops naming it) saying
+    what to install."""
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{what} needs the datasets package: pip install datasets==5.2.0 (or a .jsonl/.json "
-                         "file, read without it)") from None
+        raise ValueError(f"{what} needs the datasets package: pip install datasets==5.2.0 "
+                         "(or a .jsonl/.json file, read without it)") from None
     return datasets
 
 
@@ -127,14 +130,16 @@ def read_local(path: Path) -> list:
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     if path.suffix == ".parquet":
-        datasets = import_datasets(f"{path}: a .parquet file")  # imported lazily: slow, and only real datasets need it
+        # Imported lazily: it is slow to import, and only real datasets need it.
+        datasets = import_datasets(f"{path}: a .parquet file")
         return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: line {line} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})") from None
+        raise ValueError(f"{path}: line {line} is not UTF-8 "
+                         f"(byte {raw[e.start]:#04x} at offset {e.start})") from None
     if text.lstrip().startswith("["):  # a JSON array of objects
         try:
             return json.loads(text)
@@ -146,7 +151,8 @@ def read_local(path: Path) -> list:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: row {len(rows) + 1} (line {lineno}): invalid JSON: {e.msg}") from None
+                raise ValueError(f"{path}: row {len(rows) + 1} (line {lineno}): "
+                                 f"invalid JSON: {e.msg}") from None
     return rows
 
 
@@ -158,4 +164,5 @@ def read_hub(source: str) -> list:
     try:
         return list(datasets.load_dataset(name, config or None, split=split or "train"))
     except Exception as e:  # the hub's errors are many kinds; the message is what matters
-        raise ValueError(f"{source}: could not load from the hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ValueError(f"{source}: could not load from the hub "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

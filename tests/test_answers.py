@@ -1,7 +1,7 @@
-"""The sets task and its whole answer distribution (lib/answers.py): the task's verifier, every answer's
-probability against the model's full logits (brute force, one answer at a time) and against the
-sampler's rates (binomial error), the Figure 3 measures by hand; the mass balance's terms (lib/balance.py)
-against the softmax's own first-order change; a run that logs both."""
+"""The sets task and its whole answer distribution (lib/answers.py): the task's verifier, every
+answer's probability against the model's full logits (brute force, one answer at a time) and
+against the sampler's rates (binomial error), the Figure 3 measures by hand; the mass balance's
+terms (lib/balance.py) against the softmax's own first-order change; a run that logs both."""
 
 import json
 import math
@@ -24,9 +24,11 @@ def sets_model():
 
 
 def test_sets_task():
-    """256 fixed prompts, 16 right values and 4 decoys each, all distinct 3-digit values; train = eval."""
+    """256 fixed prompts, 16 right values and 4 decoys each, all distinct 3-digit values; train =
+    eval."""
     rows = data.load_task("sets", "train")
-    assert len(rows) == 256 == len({r["prompt"] for r in rows}) and rows == data.load_task("sets", "test")
+    assert len(rows) == 256 == len({r["prompt"] for r in rows})
+    assert rows == data.load_task("sets", "test")
     for r in rows:
         values = r["answer"].split(",") + r["decoys"]
         assert len(values) == len(set(values)) == 20 and all(100 <= int(v) <= 999 for v in values)
@@ -35,8 +37,9 @@ def test_sets_task():
 
 def test_sets_verifier():
     gold = "105,230,999"
-    assert [verify.reward(c, gold, "sets") for c in ("230", " 230 ", "0230", "x=999", "231", "", "2 30")] \
-        == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    completions = ("230", " 230 ", "0230", "x=999", "231", "", "2 30")
+    want = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert [verify.reward(c, gold, "sets") for c in completions] == want
     assert verify.rewards(["105", "106"], [gold, gold], task="sets") == [1.0, 0.0]
 
 
@@ -46,17 +49,20 @@ def full_logits(model, tok, prompt, answer, temperature):
     a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([p + a])).logits[0, len(p) - 1: -1].double()
-    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(a)[:, None]).sum().item()
+    logp = torch.log_softmax(logits / temperature, -1)  # (len(a), V)
+    return logp.gather(1, torch.tensor(a)[:, None]).sum().item()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_distribution_equals_brute_force(sets_model, temperature):
-    """Every one of the 900 answers of 3 prompts in one call (answers batched against their prompt's
-    keys/values) against each answer alone through the full logits; and the mass sums below 1."""
+    """Every one of the 900 answers of 3 prompts in one call (answers batched against their
+    prompt's keys/values) against each answer alone through the full logits; and the mass sums
+    below 1."""
     model, tok = sets_model
     examples = data.load_task("sets", "train")[:3]
     space = answers.space("sets")
-    got = answers.distribution(model, tok, examples, space, temperature, rows_per_pass=1000)  # (3, 900)
+    # (3, 900)
+    got = answers.distribution(model, tok, examples, space, temperature, rows_per_pass=1000)
     for i in (0, 2):
         for j in (0, 137, 899, *[space.index(v) for v in examples[i]["answer"].split(",")[:3]]):
             want = full_logits(model, tok, examples[i]["prompt"], space[j], temperature)
@@ -66,9 +72,10 @@ def test_distribution_equals_brute_force(sets_model, temperature):
 
 
 def test_distribution_matches_the_sampled_rates(sets_model):
-    """4,096 rollouts of 4 prompts at T = 1: the share of right answers drawn is Q, and the share of each
-    prompt's most likely answer its probability, within 4.5 binomial standard errors. Within 4 tokens
-    the integer rule accepts exactly the right values' sequences (a 4th digit or a space is cut)."""
+    """4,096 rollouts of 4 prompts at T = 1: the share of right answers drawn is Q, and the share
+    of each prompt's most likely answer its probability, within 4.5 binomial standard errors.
+    Within 4 tokens the integer rule accepts exactly the right values' sequences (a 4th digit or a
+    space is cut)."""
     model, tok = sets_model
     examples = data.load_task("sets", "train")[:4]
     space = answers.space("sets")
@@ -89,8 +96,8 @@ def test_distribution_matches_the_sampled_rates(sets_model):
 
 
 def test_measures_by_hand():
-    """Two prompts, four answers (0.1 of prompt 0 outside the space): Q, outside, entropy, the share of
-    right answers that rose and the worst drop, and the exact pass@k."""
+    """Two prompts, four answers (0.1 of prompt 0 outside the space): Q, outside, entropy, the
+    share of right answers that rose and the worst drop, and the exact pass@k."""
     p0 = torch.tensor([[0.4, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     p1 = torch.tensor([[0.5, 0.1, 0.2, 0.1], [0.1, 0.3, 0.3, 0.3]], dtype=torch.float64)
     right = torch.tensor([[True, True, False, False], [True, True, True, False]])
@@ -104,37 +111,42 @@ def test_measures_by_hand():
     q = torch.tensor([0.0, 1e-9, 0.3, 1.0], dtype=torch.float64)
     for k in (1, 7, 1024):
         assert torch.allclose(answers.pass_at_k(q, k), 1 - (1 - q) ** k, rtol=1e-6, atol=0)
-    assert answers.pass_at_k(q, 1024)[1].item() == pytest.approx(1024e-9, rel=1e-5)  # no cancellation
+    # No cancellation near Q = 0.
+    assert answers.pass_at_k(q, 1024)[1].item() == pytest.approx(1024e-9, rel=1e-5)
 
 
 def test_theorem_terms_are_the_softmax_first_order_change():
-    """The free-logit model's first-order change of Q (dp from dz = p (R - S_R)) is Theorem 1's three
-    terms summed, on random distributions and sets; the sets partition the answers."""
+    """The free-logit model's first-order change of Q (dp from dz = p (R - S_R)) is Theorem 1's
+    three terms summed, on random distributions and sets; the sets partition the answers."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
         p = torch.rand(41, generator=gen, dtype=torch.float64) ** 4
         p /= p.sum()
         right = torch.rand(41, generator=gen) < 0.4
         drawn = torch.randperm(41, generator=gen)[: 1 + trial % 7].tolist()
-        t, sets = balance.theorem_terms(p, right, drawn, mean_reward=float(torch.rand(1, generator=gen)))
+        t, sets = balance.theorem_terms(p, right, drawn,
+                                        mean_reward=float(torch.rand(1, generator=gen)))
         assert abs(t["pred_dq"] - (t["term1"] + t["term2"] + t["term3"])) < 1e-12, (trial, t)
         assert sum(s.long() for s in sets.values()).eq(1).all()
         assert t["term1"] >= -1e-15 and t["term2"] >= -1e-15  # never negative (the theorem)
 
 
 def test_a_sets_run_logs_the_answer_distribution_and_the_mass_balance(tmp_path):
-    """--preset sets --mass_balance 1: every eval logs Figure 3's measures over 4 prompts and saves their
-    distribution; every step with an update logs each trained group's four parts and the theorem's
-    terms; a resumed run compares with the first eval's distribution, as the whole run did."""
-    common = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "8", "--eval_samples", "2",
-              "--answer_prompts", "4", "--probe_prompts", "2", "--probe_samples", "4", "--eval_every", "2"]
+    """--preset sets --mass_balance 1: every eval logs Figure 3's measures over 4 prompts and saves
+    their distribution; every step with an update logs each trained group's four parts and the
+    theorem's terms; a resumed run compares with the first eval's distribution, as the whole run
+    did."""
+    common = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "8",
+              "--eval_samples", "2", "--answer_prompts", "4", "--probe_prompts", "2",
+              "--probe_samples", "4", "--eval_every", "2"]
     out = tmp_path / "run"
-    rows = brorl.train(brorl.parse_config(["--preset", "sets", "--steps", "2", *common, "--mass_balance", "1",
-                                           "--out", str(out)]))
+    rows = brorl.train(brorl.parse_config(["--preset", "sets", "--steps", "2", *common,
+                                           "--mass_balance", "1", "--out", str(out)]))
     evals = [r for r in rows if "answers_q" in r]
     assert [r["step"] for r in evals] == [0, 2] and len(evals[0]["answers_log10_q_per_prompt"]) == 4
     assert evals[0]["answers_right_rose"] == 0 and evals[0]["answers_right_worst_drop"] == 0
-    assert sorted(p.name for p in (out / "answers").iterdir()) == ["step-000000.pt", "step-000002.pt"]
+    saved = sorted(p.name for p in (out / "answers").iterdir())
+    assert saved == ["step-000000.pt", "step-000002.pt"]
     trained = [r for r in rows if r.get("balance_groups")]
     assert trained and all(len(r["balance_groups"]) == r["groups_kept"] for r in trained)
     g = trained[0]["balance_groups"][0]

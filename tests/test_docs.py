@@ -675,3 +675,20 @@ def test_results_book_pages_open_with_answer_command_commit_machine():
         assert "```bash\n" in head and "Commit:" in head and "Machine:" in head, p.name
         assert f"]({p.name})" in index, f"the index does not link {p.name}"
     assert "](archive.md)" in index
+
+
+# The files a learner reads, and the machinery beside them, held to 100 columns (STYLE.md, rule 1).
+# brorl.py and the rest of lib/ join the list once their lines are wrapped.
+NARROW_FILES = ["sampler.py", "kernels.py", "verify.py", "data.py", "lib/answers.py",
+                "lib/balance.py", "lib/mass.py", "lib/objectives.py", "lib/report.py",
+                "lib/samples.py", "lib/tasks.py"]
+
+
+def test_the_files_a_learner_reads_fit_100_columns():
+    """No line of these files is wider than 100 columns: a file is not made short by making its
+    lines wide."""
+    wide = [f"{name}:{lineno}: {len(line)} columns"
+            for name in NARROW_FILES
+            for lineno, line in enumerate((ROOT / name).read_text().splitlines(), 1)
+            if len(line) > 100]
+    assert wide == []

@@ -190,8 +190,10 @@ def reach(rows: list, small_n: int = 16, large_n: int = 512) -> dict:
     for name, group in (("below", below), ("never", never),
                         ("below_never", [p for p in below if p not in hit])):
         d = [end[p] - start[p] for p in group]
-        m.update({name: len(group), f"{name}_dlog10_median": statistics.median(d) if d else math.nan,
-                  f"{name}_fell": sum(x < 0 for x in d), f"{name}_fell_decade": sum(x < -1 for x in d)})
+        m.update({name: len(group),
+                  f"{name}_dlog10_median": statistics.median(d) if d else math.nan,
+                  f"{name}_fell": sum(x < 0 for x in d),
+                  f"{name}_fell_decade": sum(x < -1 for x in d)})
     gate = [p for p in prompts if low <= start[p] < high]
     m.update(gate=len(gate), gate_sank=sum(end[p] < low for p in gate))
     return m

@@ -22,8 +22,10 @@ Reinforce-Ada and sGPO size groups from the success rate too.
 
 import torch
 
-PRIOR_COUNT = 2.0  # pseudo-rollouts of the prior: an unseen prompt's estimate moves with its first group
-PRIOR_MOMENTUM = 0.8  # the prior's mean: an exponential average of each step's mean reward (keep_est's)
+# the prior: PRIOR_COUNT pseudo-rollouts (an unseen prompt's estimate moves with its first group) at
+# a mean that follows each step's mean reward with this momentum (as brorl.train's keep_est)
+PRIOR_COUNT = 2.0
+PRIOR_MOMENTUM = 0.8
 
 
 def informative_chance(n, q: torch.Tensor) -> torch.Tensor:
@@ -52,9 +54,9 @@ def allocate(q_hat: torch.Tensor, budget: int, n_min: int, n_max: int) -> torch.
 
 
 class Estimate:
-    """Each training prompt's Beta posterior over Q (counts a right, b wrong; float64 (P,)), with the
-    prior's mean from recent batches. state_dict / load_state_dict: the checkpoint's (Run.checkpoint),
-    so that --resume continues it bit-exactly."""
+    """Each training prompt's Beta posterior over Q (counts a right, b wrong; float64 (P,)), with
+    the prior's mean from recent batches. state_dict / load_state_dict: the checkpoint's
+    (Run.checkpoint), so that --resume continues it bit-exactly."""
 
     def __init__(self, n_prompts: int, decay: float):
         self.decay = decay
@@ -109,6 +111,7 @@ def calibration(estimate: Estimate, positions: list, log10_q: list) -> dict:
         return {"alloc_calib_prompts": 0}
     est = estimate.q_hat([p for p, _ in pairs]).log10()  # (S,)
     exact = torch.tensor([x for _, x in pairs], dtype=torch.float64)  # (S,)
-    corr = torch.corrcoef(torch.stack([est, exact]))[0, 1].item() if len(pairs) > 1 else float("nan")
+    corr = (torch.corrcoef(torch.stack([est, exact]))[0, 1].item() if len(pairs) > 1
+            else float("nan"))
     return {"alloc_calib_prompts": len(pairs),
             "alloc_calib_abs_log10": (est - exact).abs().mean().item(), "alloc_calib_corr": corr}

@@ -22,8 +22,12 @@ where breadth (many rollouts per prompt, large N) should matter. The harder vari
 0.003, the only slip copying an operand) makes it rarer still: ~0.1% of samples at T = 1.
 The keys task ("keys", tools/breadth_study.py): 512 prompts "k<two letters>=", each with its own
 3-digit value and four decoys; train = eval. Its warm start (assets/tiny-keys) sets each prompt's
-right mass apart, log-uniformly: where Theorem 1's per-prompt reading applies and breadth can act
-(see below).
+right mass apart, log-uniformly: where breadth can act (see below; its limits too).
+The sets task ("sets", tools/theorem1_study.py): 256 prompts "s<two letters>=", each with 16 right
+values and 4 decoys among the 900 values 100..999, drawn independently; train = eval. Each right
+value is rare (77% below 1/512 in its warm start, assets/tiny-sets) while a prompt's total right
+mass spreads over the zones, and the whole answer space can be enumerated: Theorem 1's unsampled
+right answers exist in every trained group, and lib/answers.py measures them exactly.
 Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
 the problem text, unless a separate held-out source is named (split "all").
 
@@ -34,10 +38,12 @@ value (V = 256 bytes + pad + eos). Qwen2's own tokenizer pipeline is byte-level 
 tokenizer_config.json says) rebuilds exactly this tokenizer.
 
 Commands:
-  # assets/tiny-arith, tiny-arith-hard, tiny-arith-harder and tiny-keys
+  # assets/tiny-arith, tiny-arith-hard, tiny-arith-harder, tiny-keys and tiny-sets
   python data.py build
   # assets/tiny-keys alone: 1,600 steps, ~130 CPU s on one thread
   python data.py build --variant keys
+  # assets/tiny-sets alone: 1,900 steps, ~600 CPU s on one thread
+  python data.py build --variant sets
   # Qwen2.5-0.5B-Instruct's shapes, 2 layers, random init
   python data.py rehearsal --out /tmp/rehearsal
   # one variant, elsewhere
@@ -155,10 +161,14 @@ def classify(a: int, b: int, completion: str) -> str:
 # whose right answer is rare but reachable: Q(x) between 1/512 (N = 512 sees it) and 1/16 (N = 16
 # mostly does not). On arithmetic a stuck problem is a wall
 # (median Q ~ 1e-19: docs/results/plateau.md), and skill transfers across problems. Here each
-# prompt "k<two letters>=" has its own 3-digit value and four decoy values, nothing to transfer,
-# and the warm start sets each prompt's right mass from a log-uniform range: every prompt is one
-# softmax of the theorem's kind. Train and eval are the same 512 prompts (the theorem is per
-# prompt). Verified by the integer rule (verify.py task "arith").
+# prompt "k<two letters>=" has its own 3-digit value and four decoy values, drawn independently,
+# and the warm start sets each prompt's right mass from a log-uniform range. Train and eval are
+# the same 512 prompts (the theorem is per prompt). Verified by the integer rule (verify.py task
+# "arith"). Two limits, measured (docs/results/theorem1.md). The values share nothing, but the
+# warm start does: it learns every right value first and then suppresses it, and RL's updates of
+# some prompts move others (prompts never sampled right changed, most of them upwards). With one
+# right answer a prompt, a group that dynamic sampling trains has drawn it: no right mass is ever
+# left unsampled, so Theorem 1's unsampled right term cannot act here (the sets task below can).
 
 KEYS_N, KEYS_DECOYS = 512, 4  # prompts; wrong values per prompt
 # The warm start's mixture: the right value's weight, log-uniform in this range.

@@ -225,6 +225,7 @@ FIELDS_SINCE_RESUME = (
 ADDED_FIELDS = {
     "clip_ratio_c": None, "tis_cap": 0.0, "verifier": "rules",  # before dual-clip, TIS, math-verify
     "sample_prompts": 0,  # before samples.jsonl
+    "long_prompts": "allow",  # before prompts were measured against the model's context
     "probe_samples": lambda run: run.get("n_rollouts"),  # the probe drew N rollouts a prompt
     "eval_seed": lambda run: run.get("seed"),  # --seed drew the held-out problems
 }

@@ -97,17 +97,18 @@ def test_distribution_matches_the_sampled_rates(sets_model):
 
 def test_measures_by_hand():
     """Two prompts, four answers (0.1 of prompt 0 outside the space): Q, outside, entropy, the
-    share of right answers that rose and the worst drop, and the exact pass@k."""
+    share of right answers that rose and the worst drop (a wrong answer of prompt 0 falls further:
+    it must not count), and the exact pass@k."""
     p0 = torch.tensor([[0.4, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
-    p1 = torch.tensor([[0.5, 0.1, 0.2, 0.1], [0.1, 0.3, 0.3, 0.3]], dtype=torch.float64)
+    p1 = torch.tensor([[0.5, 0.2, 0.0, 0.2], [0.1, 0.3, 0.3, 0.3]], dtype=torch.float64)
     right = torch.tensor([[True, True, False, False], [True, True, True, False]])
     m = answers.measures(p1.log(), right, p0.log())
-    assert torch.allclose(m["q"], torch.tensor([0.6, 0.7], dtype=torch.float64))
+    assert torch.allclose(m["q"], torch.tensor([0.7, 0.7], dtype=torch.float64))
     assert torch.allclose(m["outside"], torch.tensor([0.1, 0.0], dtype=torch.float64))
-    h0 = -(0.5 * math.log(0.5) + 0.1 * math.log(0.1) * 3 + 0.2 * math.log(0.2))
+    h0 = -(0.5 * math.log(0.5) + 0.2 * math.log(0.2) * 2 + 0.1 * math.log(0.1))
     assert abs(m["entropy"][0].item() - h0) < 1e-12  # the outside mass one outcome
     assert torch.allclose(m["right_rose"], torch.tensor([0.5, 2 / 3], dtype=torch.float64))
-    assert torch.allclose(m["right_worst_drop"], torch.tensor([0.2, 0.15], dtype=torch.float64))
+    assert torch.allclose(m["right_worst_drop"], torch.tensor([0.1, 0.15], dtype=torch.float64))
     q = torch.tensor([0.0, 1e-9, 0.3, 1.0], dtype=torch.float64)
     for k in (1, 7, 1024):
         assert torch.allclose(answers.pass_at_k(q, k), 1 - (1 - q) ** k, rtol=1e-6, atol=0)

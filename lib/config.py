@@ -378,7 +378,8 @@ def check_config(cfg) -> str:
          f"--report_to {cfg.report_to!r}: choose none, tensorboard, wandb, or tensorboard,wandb"),
         (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give the run directory (or its ckpt/) "
                                             "there, not --resume"),
-        (not (cfg.init_from and cfg.resume), "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+        # (--init_from with --resume on one command line is refused in resumed_config; a run started
+        # with --init_from keeps it in config.json, and is resumed from its own checkpoint)
         (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),

@@ -15,6 +15,20 @@ import data
 from test_brorl import SMALL, run_in_process
 
 
+def test_a_run_started_with_init_from_resumes_exactly(tmp_path):
+    """A branch (--init_from, config.json keeps it) resumed from its own checkpoint equals the branch
+    run in one go: --resume takes the branch's weights and AdamW state, not the run it began from."""
+    base, one, two = tmp_path / "base", tmp_path / "one", tmp_path / "two"
+    common = ["--eval_every", "1", "--device", "cpu", *SMALL]
+    brorl.train(brorl.parse_config(["--steps", "1", "--out", str(base), *common]))
+    branch = ["--init_from", str(base), "--init_optimizer", "1", *common]
+    rows = brorl.train(brorl.parse_config(["--steps", "2", "--out", str(one), *branch]))
+    brorl.train(brorl.parse_config(["--steps", "1", "--out", str(two), *branch]))
+    resumed = brorl.train(brorl.parse_config(["--resume", str(two), "--steps", "2"]))
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith("time") and k != "tokens_per_s"}
+    assert [strip(r) for r in resumed] == [strip(r) for r in rows] and resumed[-1]["step"] == 2
+
+
 def test_resume_continues_the_run_exactly(tmp_path):
     """4 steps in one go == 2 steps, then --resume to 4 (weights, AdamW, random streams, reference,
     metrics): a crashed or extended run loses nothing. Exact, as the training is bitwise reproducible."""

@@ -158,6 +158,7 @@ def sets_measures(rows: list) -> dict:
         du = [g["U_pos_after"] - g["U_pos_before"] for g in groups]
         has_u = [(g, d) for g, d in zip(groups, du) if g["U_pos_before"] > 0]
         m.update(groups=len(groups), term3_neg=sum(g["term3"] < 0 for g in groups) / len(groups),
+                 u_pos2=statistics.mean(g["U_pos2"] for g in groups),
                  du_pos_mean=statistics.mean(du), du_pos_fell=sum(d < 0 for d in du) / len(du),
                  u_pos_share=statistics.mean(g["U_pos_before"] / max(g["q_before"], 1e-300)
                                              for g in groups),
@@ -265,7 +266,7 @@ def report(raw: Path) -> str:
                        "sampled", configs, REACH)
         if sweep == "nalone":
             lines += table("nalone: the mass balance, over every trained group of every step",
-                           configs, ["groups", "u_pos_share", "term3_neg", "du_pos_mean",
+                           configs, ["groups", "u_pos_share", "u_pos2", "term3_neg", "du_pos_mean",
                                      "du_pos_fell", "sign_agree", "corr", "dq_trained",
                                      "dlog10q_trained", "others_dlog10q"])
             lines += tests(configs, "du_pos_mean", base)
@@ -301,23 +302,29 @@ def figure(raw: Path) -> None:
               ("answers_right_rose", "share of right answers that rose"),
               ("answers_right_worst_drop", "worst drop of a right answer")]
     sim = HERE / "assets" / "massbalance" / "simulation.png"
-    fig, axes = plt.subplots(1, 4 if sim.is_file() else 3, figsize=(17, 3.6))
-    # The configs in the order of their N ("N=16,B=4" -> 16).
-    for i, (name, seeds) in enumerate(sorted(runs.items(),
-                                             key=lambda kv: int(kv[0][2:].split(",")[0]))):
-        evals = [[r for r in rows if "answers_q" in r] for rows in seeds.values()]
+    fig = plt.figure(figsize=(15, 8.5 if sim.is_file() else 3.8))
+    rows = 2 if sim.is_file() else 1
+    grid = fig.add_gridspec(rows, 3, height_ratios=[1, 1.3][:rows])
+    axes = [fig.add_subplot(grid[0, i]) for i in range(3)]
+    by_n = sorted(runs.items(), key=lambda kv: int(kv[0][2:].split(",")[0]))
+    for i, (name, seeds) in enumerate(by_n):
+        evals = [[r for r in run if "answers_q" in r] for run in seeds.values()]
         steps = [r["step"] for r in evals[0]]
         for ax, (key, title) in zip(axes, panels):
             ys = [[e[j][key] for e in evals if len(e) > j] for j in range(len(steps))]
-            ax.plot(steps, [statistics.mean(y) for y in ys], color=f"C{i}", label=name)
+            ax.plot(steps, [statistics.mean(y) for y in ys], color=f"C{i}",
+                    label=f"{name} ({len(evals)} seeds)")
             ax.fill_between(steps, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}",
                             alpha=0.2, lw=0)
-            ax.set(title=title, xlabel="step")
+            ax.set(title=f"transformer, sets task: {title}", xlabel="step")
+            ax.title.set_fontsize(9)
     axes[0].legend(fontsize=8)
     if sim.is_file():
-        axes[3].imshow(plt.imread(sim))
-        axes[3].set(title="free logits (the paper's Figure 3, simulated)")
-        axes[3].axis("off")
+        below = fig.add_subplot(grid[1, :])
+        below.imshow(plt.imread(sim))
+        below.set_title("free logits: the paper's Figure 3, simulated (tools/massbalance.py)",
+                        fontsize=9)
+        below.axis("off")
     fig.tight_layout()
     fig.savefig(raw / "figure3.png", dpi=80)
     plt.close(fig)

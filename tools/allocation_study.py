@@ -208,7 +208,7 @@ def main(argv=None):
                 print(line, flush=True)
     text = report(raw)
     print(text)
-    (raw / "report.md").write_text(text)
+    (raw / "report").with_suffix(".md").write_text(text)  # the tables, as printed
     figure(raw, raw / "figure.png")
 
 

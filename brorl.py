@@ -3,13 +3,16 @@ brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled 
 *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
-  1. rollout     sample N completions for each prompt (sampler.py): each prompt prefilled ONCE, its N
-                 rollouts decoding against that one copy of its keys/values (cascade attention).
-  2. reward      verifier (verify.py): 1 correct, 0 otherwise; on math, the rules or Math-Verify (--verifier).
+  1. rollout     sample N completions for each prompt (sampler.py): each prompt prefilled ONCE, its
+                 N rollouts decoding against that one copy of its keys/values (cascade attention).
+  2. reward      verifier (verify.py): 1 correct, 0 otherwise; on math, the rules or Math-Verify
+     (--verifier).
   3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
-     sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer; none: no update).
+     sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer; none: no
+     update).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), whitened over the batch's valid response
-                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more (Dr. GRPO).
+                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more (Dr.
+                 GRPO).
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
@@ -18,29 +21,32 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  update's by kernels.linear_logprobs (from hidden states, the logits never whole;
                  a head that is not a plain linear layer: kernels.token_logprobs on its logits),
                  the sampler's by kernels.token_logprobs on each decoded position's logits.
-  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the correct
-                 mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled on a probe set and exact
-                 where the answer is one token sequence (lib/mass.py); one log line per step, metrics.jsonl and
-                 metrics.png; a checkpoint at every eval.
+  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the
+                 correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled on a
+                 probe set and exact where the answer is one token sequence (lib/mass.py); one log
+                 line per step, metrics.jsonl and metrics.png; a checkpoint at every eval.
 
 Where this simplifies the paper:
   1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks. In
-     float32 the sampler's log-probs serve as the old policy's (--old_logp: max|ratio-1| checks it); in
-     bf16 the old log-probs are a trainer forward, the drift logged and corrected by TIS (--tis_cap).
+     float32 the sampler's log-probs serve as the old policy's (--old_logp: max|ratio-1| checks it);
+     in bf16 the old log-probs are a trainer forward, the drift logged and corrected by TIS
+     (--tis_cap).
   2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and wrong
-     addition procedures (data.py); RL selects the right one, as RLVR selects among a model's behaviours.
+     addition procedures (data.py); RL selects the right one, as RLVR selects among a model's
+     behaviours.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
 Run:
   python brorl.py                              # embedded tiny model + task, CPU, a few minutes
-  python brorl.py --preset gsm8k-0.5b          # a real one-GPU job (also math-1.5b; --plan: its memory)
-  python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
-  torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes
-  python brorl.py --help                       # every flag
+  python brorl.py --preset gsm8k-0.5b          # a real one-GPU job (also math-1.5b; --plan: its
+  memory) python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its
+  checkpoint torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K
+  processes python brorl.py --help                       # every flag
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
-embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner, processes);
-tools/ the programs run beside training. The paper, restated: docs/paper.md. Every figure: docs/results/.
+embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner,
+processes); tools/ the programs run beside training. The paper, restated: docs/paper.md. Every
+figure: docs/results/.
 """
 
 import math
@@ -52,10 +58,12 @@ import torch
 
 import data
 import verify
-from lib import allocation, answers, balance, config, distributed, harness, mass, samples
+from lib import (allocation, answers, balance, config, distributed, evalonly, harness,
+                 mass, samples, setup, steplog)
 from lib.config import fail
 from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
-from lib.policy import autocast, clip_gradients, make_reference, old_logprobs, pack_groups, response_logprobs, trainable
+from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
+                        response_logprobs, trainable)
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
@@ -65,13 +73,19 @@ from sampler import Rollouts, draw_seeds, generate, round_seeds
 @dataclass
 class Config:
     # model and task
-    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or local dir (default: the embedded tiny model)
-    task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a .jsonl/.json/.parquet path or hub id[:config][@split]
-    eval_task: str = ""  # a separate held-out source, same syntax, all its rows (default: --task's held-out split)
-    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set (else refused: not held out)
-    system_prompt: str = ""  # system message before each prompt, which needs a chat template (default: none)
+    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or
+                                           # local dir (default: the embedded tiny model)
+    task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a
+                         # .jsonl/.json/.parquet path or hub id[:config][@split]
+    eval_task: str = ""  # a separate held-out source, same syntax, all its rows (default: --task's
+                         # held-out split)
+    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set (else
+                                # refused: not held out)
+    system_prompt: str = ""  # system message before each prompt, which needs a chat template
+                             # (default: none)
     digits: int = 3  # arith: digits per operand (the difficulty knob)
-    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU, bf16 CUDA
+    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU,
+                         # bf16 CUDA
     device: str = "auto"  # auto = cuda if available else cpu
     seed: int = 0  # seeds prompts, sampling and init of everything random
     # rollout (paper: N=512 rollouts, B=128 prompts per step)
@@ -79,108 +93,152 @@ class Config:
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
     max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full tempered softmax's
+    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full
+                        # tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
-    # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards vary most
+    # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards
+    # vary most
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
     # rollouts per prompt (lib/allocation.py): uniform gives each prompt N, drawing rounds until B
     # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
     # one's estimated Q, to make informative groups likely (PODS: min(m, its n) a group)
-    alloc: str = "uniform"  # uniform (N a prompt) or adaptive (R a step by each prompt's Q; PODS: min(m, n))
+    alloc: str = "uniform"  # uniform (N a prompt) or adaptive (R a step by each prompt's Q; PODS:
+                            # min(m, n))
     rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
     min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
     max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
     alloc_decay: float = 0.95  # adaptive: the estimate's counts x this a step (the policy moves)
-    # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's response tokens
-    # (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run); response: over responses; group: GRPO's
+    # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's
+    # response tokens (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run); response: over
+    # responses; group: GRPO's
     adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
     # policy update
-    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model; 5e-4 here overshoots)
+    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model;
+                      # 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
-    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit --memory_gb
-    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone; the KL's reference shares the base
+    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit
+                            # --memory_gb
+    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone; the KL's reference
+    # shares the base
     lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
     lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama attention and MLP
-    grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one layer, not all (~1/3 more compute)
-    # the old policy's log-probs: the sampler's (in fp32 a trainer forward's up to rounding) or a trainer forward
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama
+        # attention and MLP
+    grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one
+                             # layer, not all (~1/3 more compute)
+    # the old policy's log-probs: the sampler's (in fp32 a trainer forward's up to rounding) or a
+    # trainer forward
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
-    # the objective (policy_token_loss); Dr. GRPO is ppo with --adv_norm none --loss_agg constant (README: each one's command)
+    # the objective (policy_token_loss); Dr. GRPO is ppo with --adv_norm none --loss_agg constant
+    # (README: each one's command)
     loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
-    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv 2507.18071: 3e-4)
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv
+                                 # 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
     clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4); CISPO's eps_high on its weight
-    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at most -c*A; need c > 1
-    # truncated importance sampling: the sampler's numerics differ from the trainer's (weight 1 with --old_logp sampler)
-    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
-    # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows (GSPO's);
-    # constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no response changes (Dr. GRPO)
-    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo (its paper's), else token
+    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4); CISPO's eps_high
+                             # on its weight
+    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at
+                               # most -c*A; need c > 1
+    # truncated importance sampling: the sampler's numerics differ from the trainer's (weight 1 with
+    # --old_logp sampler)
+    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's
+                          # examples); 0: off
+    # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows
+    # (GSPO's); constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no
+    # response changes (Dr. GRPO)
+    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo (its
+                            # paper's), else token
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
     # math tasks: rules (verify.py), math_verify, or both = correct if either accepts (the paper's)
-    verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else rules
+    verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else
+                            # rules
     # schedule, eval, output
     steps: int = 100  # training steps (the most, with --time_budget)
-    time_budget: float = 0.0  # seconds of training (evaluations excluded); stop at the first step past it (0: off)
-    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time: others' load cannot inflate it)
+    time_budget: float = 0.0  # seconds of training (evaluations excluded); stop at the first step
+                              # past it (0: off)
+    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time:
+                                # others' load cannot inflate it)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_seed: int = 0  # draws the held-out problems (eval and probe), apart from --seed: every seed scores the same ones
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper 16)
+    eval_seed: int = 0  # draws the held-out problems (eval and probe), apart from --seed: every
+                        # seed scores the same ones
+    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper
+                            # 16)
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike across N
-    mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the eval set; n > 0 n train prompts
-    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is the gate; below, low
+    probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike
+                              # across N
+    mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the
+                           # eval set; n > 0 n train prompts
+    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is
+                            # the gate; below, low
     gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
     # sets task: every answer's exact probability (lib/answers.py) of the first n eval prompts at
     # every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread)
     answer_prompts: int = 0  # n prompts; 0: off
-    # sets task, one process: each trained group's mass balance and Theorem 1's terms (lib/balance.py)
+    # sets task, one process: each trained group's mass balance and Theorem 1's terms
+    # (lib/balance.py)
     mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
-    sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl (lib/samples.py)
-    sample_responses: int = 4  # responses kept per prompt: the eval's first, and with --sample_groups the trained ones'
-    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their advantages
-    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU the machine's RAM
-    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading no weights
-    save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what --resume needs
+    sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl
+                             # (lib/samples.py)
+    sample_responses: int = 4  # responses kept per prompt: the eval's first, and with
+                               # --sample_groups the trained ones'
+    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their
+                            # advantages
+    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU
+                            # the machine's RAM
+    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading
+                        # no weights
+    save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what
+                       # --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
-    report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb (lib/report.py)
-    resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the flags given
-    init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a new run directory
-    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are this run's); else a fresh AdamW
+    report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb
+                             # (lib/report.py)
+    resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the
+                      # flags given
+    init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a
+                         # new run directory
+    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are
+                                  # this run's); else a fresh AdamW
     preset: str = ""  # a named bundle of overrides, applied before the other flags
-    eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train nothing
+    eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train
+                             # nothing
 
 
 def parse_config(argv=None) -> Config:
-    """Config from the command line (lib/config.py): a preset, then the flags given, checked; or a --resume."""
+    """Config from the command line (lib/config.py): a preset, then the flags given, checked; or a
+    --resume."""
     return config.parse_config(Config, " ".join(__doc__.split("\n\n")[0].split()), argv)
 
 
 # ----------------------------------------------------------------------------
-# Rollouts (sampler.generate): tokens, mask, the sampler's log-probs and entropies, truncation flags and
-# texts, row r of prompt r // N. Each of K processes samples a share; every rank gets the scores of all.
+# Rollouts (sampler.generate): tokens, mask, the sampler's log-probs and entropies, truncation flags
+# and texts, row r of prompt r // N. Each of K processes samples a share; every rank gets the scores
+# of all.
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
-    """This rank's share of the prompts, n rollouts each, sampled and scored: its Rollouts (None if the share is
-    empty), the share (a range into examples), and ALL prompts' rewards, lengths, truncation flags (P, n)."""
+    """This rank's share of the prompts, n rollouts each, sampled and scored: its Rollouts (None if
+    the share is empty), the share (a range into examples), and ALL prompts' rewards, lengths,
+    truncation flags (P, n)."""
     mine = distributed.share(len(examples))
-    scores = torch.zeros(len(mine), 3, n, dtype=torch.float64)  # (prompts, [reward, length, truncated], n)
+    # (prompts, [reward, length, truncated], n)
+    scores = torch.zeros(len(mine), 3, n, dtype=torch.float64)
     ro = None
     if len(mine):
-        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n, max_new or cfg.max_new_tokens,
-                      temperature, top_p, cfg.max_rows, seeds[mine.start: mine.stop], cfg.system_prompt)
-        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier, tok)  # (len(mine), n)
+        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n, max_new
+                      or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
+                      seeds[mine.start: mine.stop], cfg.system_prompt)
+        # (len(mine), n)
+        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier, tok)
         scores = torch.stack([r, ro.mask.sum(1).view(-1, n), ro.truncated.view(-1, n)], 1).double()
     r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
     return ro, mine, r.float(), lengths, truncated
@@ -190,21 +248,27 @@ def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_ne
 # Reward and dynamic sampling
 
 
-def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules", tok=None) -> torch.Tensor:
-    """Rewards (B, N): the verifier on each response; a truncated one scores 0. A response is scored with the
-    <think> its prompt opened (R1-Distill's template ends with one): an unfinished think block does not count."""
+def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
+          tok=None) -> torch.Tensor:
+    """Rewards (B, N): the verifier on each response; a truncated one scores 0. A response is scored
+    with the <think> its prompt opened (R1-Distill's template ends with one): an unfinished think
+    block does not count."""
     prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
-    opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]  # (B,)
+    # (B,)
+    opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]
     texts = [opened[i // rollouts.n] + t for i, t in enumerate(rollouts.texts)]
     golds = [a for a in answers for _ in range(rollouts.n)]
-    r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier), dtype=torch.float32)  # (B*N,)
+    # (B*N,)
+    r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier),
+                     dtype=torch.float32)
     r[rollouts.truncated] = 0.0
     return r.view(-1, rollouts.n)
 
 
 @dataclass
 class Group:
-    """A kept group: its rewards and lengths (every rank); its rollouts, at `index` (only the rank that sampled it)."""
+    """A kept group: its rewards and lengths (every rank); its rollouts, at `index` (only the rank
+    that sampled it)."""
     rewards: torch.Tensor  # (N,) one per rollout
     lengths: torch.Tensor  # (N,) valid tokens per response
     rollouts: Rollouts = None
@@ -213,23 +277,32 @@ class Group:
 
 
 def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
-    """Sample groups until B survive dynamic sampling (or max_rounds hits): at most B kept Groups, the statistics.
-    Every rank draws the same prompts and sees every group's rewards, so all keep the same groups."""
+    """Sample groups until B survive dynamic sampling (or max_rounds hits): at most B kept Groups,
+    the statistics. Every rank draws the same prompts and sees every group's rewards, so all keep
+    the same groups."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
-        # ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent steps'),
-        # at most 4B a round; without dynamic sampling every group is kept: exactly the B needed
-        rate = stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"] else keep_est
-        want = min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling else B - len(kept)
+        # ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent
+        # steps'), at most 4B a round; without dynamic sampling every group is kept: exactly the B
+        # needed
+        rate = (stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"]
+                else keep_est)
+        want = (min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling
+                else B - len(kept))
         want = min(want, len(train_set))  # a round's prompts are distinct: at most the whole set
         batch = rng.sample(train_set, want)  # the same prompts on every rank
         seeds = round_seeds(cfg.seed, step, stats["rounds"], want)
-        ro, mine, r, lengths, _ = sample_share(model, tok, batch, N, cfg.temperature, cfg.top_p, cfg, seeds)  # (want, N)
+        # (want, N)
+        ro, mine, r, lengths, _ = sample_share(model, tok, batch, N, cfg.temperature,
+                                               cfg.top_p, cfg, seeds)
         stats["rounds"] += 1
         stats["groups_generated"] += want
         stats["tokens"] += int(lengths.sum())
         stats["rewards"].append(r)
+        if cfg.task in ("keys", "sets"):  # train = eval: the prompts a rollout got right, logged
+            right = [x["prompt"] for x, top in zip(batch, r.max(1).values.tolist()) if top > 0]
+            stats.setdefault("sampled_right", []).extend(right)
         for g in range(want):
             if not cfg.dynamic_sampling or r[g].min() != r[g].max():
                 kept.append(Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
@@ -242,10 +315,10 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 
 def sample_allocated_groups(model, tok, cfg, train_set, rng, step, estimate):
     """--alloc adaptive: one round of B candidate prompts, each given its n of the step's R rollouts
-    from its estimated Q (allocation.allocate), sampled in one call per distinct n (the sampler takes
-    one n); every group's rewards update the estimate; dynamic sampling drops the all-equal groups,
-    and no further round is drawn (the budget is spent). The kept Groups, in candidate order, and
-    sample_step_groups' statistics, with the allocation's."""
+    from its estimated Q (allocation.allocate), sampled in one call per distinct n (the sampler
+    takes one n); every group's rewards update the estimate; dynamic sampling drops the all-equal
+    groups, and no further round is drawn (the budget is spent). The kept Groups, in candidate
+    order, and sample_step_groups' statistics, with the allocation's."""
     B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
     idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
     n = allocation.allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
@@ -262,12 +335,12 @@ def sample_allocated_groups(model, tok, cfg, train_set, rng, step, estimate):
                               example=batch[g])
     estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
     informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
-    kept = [x for x, keep in zip(groups, informative) if keep or not cfg.dynamic_sampling]
+    kept = [x for x, useful in zip(groups, informative) if useful or not cfg.dynamic_sampling]
     stats = dict(groups_generated=B, groups_survived=len(kept), groups_kept=len(kept), rounds=1,
                  rewards=[x.rewards[None] for x in groups], tokens=tokens,  # (1, n_j) each
                  alloc_n_min=min(n), alloc_n_median=torch.tensor(n).double().quantile(0.5).item(),
                  alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
-                 rollouts_dropped=sum(s for s, keep in zip(n, informative) if not keep)
+                 rollouts_dropped=sum(s for s, useful in zip(n, informative) if not useful)
                  if cfg.dynamic_sampling else 0)
     if cfg.task in ("keys", "sets"):  # train = eval: the prompts a rollout got right, logged
         stats["sampled_right"] = [x.example["prompt"] for x in groups if x.rewards.max() > 0]
@@ -279,17 +352,20 @@ def sample_allocated_groups(model, tok, cfg, train_set, rng, step, estimate):
 
 
 def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None) -> torch.Tensor:
-    """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per response.
-    r - mean_group(r), then
-      batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as ProRL v2
-                and BroRL): each response counts once per token, so with the token-mean loss the advantages
-                sum to 0 over tokens whatever the lengths. Unbiased variance, eps 1e-8 inside the sqrt.
-      response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO, 2503.20783).
-    An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the rest, as
-    verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it stays 0).
-    Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors (n_j,): each
-    group centred on its own mean (group: its own std), the batch's whitening over all valid tokens
-    (or responses) of all groups, each response weighted by its length as before; a list back."""
+    """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per
+    response. r - mean_group(r), then
+      batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as
+                ProRL v2 and BroRL): each response counts once per token, so with the token-mean
+                loss the advantages sum to 0 over tokens whatever the lengths. Unbiased variance,
+                eps 1e-8 inside the sqrt.
+      response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO,
+      2503.20783).
+    An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the
+    rest, as verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it
+    stays 0). Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors
+    (n_j,): each group centred on its own mean (group: its own std), the batch's whitening over all
+    valid tokens (or responses) of all groups, each response weighted by its length as before; a
+    list back."""
     if isinstance(rewards, list):
         return compute_ragged_advantages(rewards, norm, lengths)
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
@@ -300,12 +376,14 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
-    w = (lengths if norm == "batch" else torch.ones_like(centred)).double()  # (G, N) each response's weight
+    # (G, N) each response's weight
+    w = (lengths if norm == "batch" else torch.ones_like(centred)).double()
     x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
     mean = (w * x).sum() / n
     if n <= 1:  # no variance to divide by
         return centred
-    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)  # unbiased, as verl's masked_var
+    # unbiased, as verl's masked_var
+    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)
     return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (G, N)
 
 
@@ -319,7 +397,8 @@ def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     if norm in ("batch", "response"):
-        w = (torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)).double()  # (sum n_j,)
+        # (sum n_j,)
+        w = (torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)).double()
         x, n = centred.double(), w.sum()
         mean = (w * x).sum() / n
         if n > 1:
@@ -329,17 +408,21 @@ def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
 
 
 # ----------------------------------------------------------------------------
-# Policy update: the loss per token (r, T) of r response rows, its normaliser, the mini-batches' loop
+# Policy update: the loss per token (r, T) of r response rows, its normaliser, the mini-batches'
+# loop
 
 
-def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None, dtype=torch.float32):
-    """Per-token weights (r, T) in the loss's dtype, from the mini-batch's counts (n_tokens valid tokens,
-    n_rows rows): each row's weights are its own, so any micro-batching gives the same gradient. token:
-    1 / n_tokens (DAPO, ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's); constant: 1 / (max_len *
-    n_rows), Dr. GRPO's, so that no response's length scales its own tokens' gradient. Counts default to
-    the rows given (with K processes: the mini-batch's over all ranks)."""
+def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None,
+                 dtype=torch.float32):
+    """Per-token weights (r, T) in the loss's dtype, from the mini-batch's counts (n_tokens valid
+    tokens, n_rows rows): each row's weights are its own, so any micro-batching gives the same
+    gradient. token: 1 / n_tokens (DAPO, ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's);
+    constant: 1 / (max_len * n_rows), Dr. GRPO's, so that no response's length scales its own
+    tokens' gradient. Counts default to the rows given (with K processes: the mini-batch's over all
+    ranks)."""
     m = mask.to(dtype)  # (r, T)
-    n_tokens = m.sum() if n_tokens is None else torch.as_tensor(n_tokens, dtype=dtype, device=m.device)
+    n_tokens = (m.sum() if n_tokens is None
+                else torch.as_tensor(n_tokens, dtype=dtype, device=m.device))
     n_rows = m.shape[0] if n_rows is None else n_rows
     if agg == "token":
         return m / n_tokens.clamp(min=1)
@@ -349,8 +432,9 @@ def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_l
 
 
 def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
-    """PPO-clip with decoupled bounds, per token (r, T): the README's first three lines. As verl: the log-ratio
-    clamped to +-20 before exp (no inf), and dual-clip caps a negative-advantage token's loss at -c*A."""
+    """PPO-clip with decoupled bounds, per token (r, T): the README's first three lines. As verl:
+    the log-ratio clamped to +-20 before exp (no inf), and dual-clip caps a negative-advantage
+    token's loss at -c*A."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
     a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
     pg = torch.max(-ratio * a, -ratio.clamp(1 - clip_low, 1 + clip_high) * a)  # (r, T) clip
@@ -359,8 +443,9 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
 
 
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
-    """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero gradient there;
-    CISPO: the weight truncated, the gradient kept). Dual-clip is PPO's alone (verl): the others' bounds cap it."""
+    """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero
+    gradient there; CISPO: the weight truncated, the gradient kept). Dual-clip is PPO's alone
+    (verl): the others' bounds cap it."""
     a = adv[:, None]  # (r, 1)
     if cfg.loss == "cispo":
         loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
@@ -372,13 +457,16 @@ def policy_token_loss(logp, old_logp, adv, mask, cfg):
         lo, hi = cfg.clip_low, cfg.clip_high
         loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
     clipped = ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
-    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))  # dual-clip
+    # dual-clip
+    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))
 
 
 def tis_weight(old_logp, sampler_logp, cap):
-    """Truncated importance sampling (r, T): min(exp(logp_old - logp_sampler), C), the sampler's tokens reweighted
-    to the trainer's old policy, truncated against rare outliers; exactly 1 when both are the same tensor."""
-    return torch.exp((old_logp - sampler_logp).clamp(max=20)).clamp(max=cap) if cap else torch.ones_like(old_logp)
+    """Truncated importance sampling (r, T): min(exp(logp_old - logp_sampler), C), the sampler's
+    tokens reweighted to the trainer's old policy, truncated against rare outliers; exactly 1 when
+    both are the same tensor."""
+    return (torch.exp((old_logp - sampler_logp).clamp(max=20)).clamp(max=cap) if cap
+            else torch.ones_like(old_logp))
 
 
 def kl_k2(logp, ref_logp):
@@ -387,57 +475,74 @@ def kl_k2(logp, ref_logp):
 
 
 def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
-    """The README's loss, line for line, per token (r, T): the policy term (PPO's ratio, clip and dual clip,
-    or --loss's objective), its TIS weight (a constant: no gradient), the k2 KL to the reference (ref_logp
-    None: none), each token weighted by w (loss_weights). Returns the loss, ratio, where the clip binds, KL."""
+    """The README's loss, line for line, per token (r, T): the policy term (PPO's ratio, clip and
+    dual clip, or --loss's objective), its TIS weight (a constant: no gradient), the k2 KL to the
+    reference (ref_logp None: none), each token weighted by w (loss_weights). Returns the loss,
+    ratio, where the clip binds, KL."""
     pg, ratio, clipped = policy_token_loss(logp, old_logp, adv, mask, cfg)  # (r, T) each
-    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap).detach()  # (r, T) on the policy term only (verl)
+    # (r, T) on the policy term only (verl)
+    tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap).detach()
     kl = kl_k2(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (r, T)
     loss = w * (tis * pg + cfg.kl_coef * kl)  # (r, T), summed over the mini-batch: its loss
     return loss, ratio, clipped, kl
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed token_loss; the
-    metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows' valid tokens; adv (r,): its rows'."""
-    lengths = batch["lengths"]  # (G, m), or G tensors (m_j,): groups of unequal N (--alloc adaptive)
-    G, m = (lengths.shape if torch.is_tensor(lengths) else (len(lengths), [len(x) for x in lengths]))
-    tokens = lengths.flatten() if torch.is_tensor(lengths) else torch.cat(lengths)  # (R,) all ranks'
-    R, dev = len(tokens), adv.device  # R: rows, G*m or sum m_j
-    my_micro_batches = lambda rows: [r.to(dev) for r in distributed.micro_batches(rows, G, m, cfg.micro_batch)]
-    sampler_logp, valid, agg = batch["sampler_logp"], batch["resp_mask"], aggregation(cfg.loss, cfg.loss_agg)
-    # before any update: the old policy's log-probs and entropies (r, T) (the sampler's or a forward's), the reference's
-    old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch, my_micro_batches(torch.arange(R)), cfg, dev)
-    # sampler/trainer drift: how far the policy that drew the tokens is from the loss's old policy; 0 by
-    # construction with the sampler's log-probs (then the first mini-batch's max|ratio-1| measures it)
+    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed
+    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows'
+    valid tokens; adv (r,): its rows'."""
+    dev = adv.device
+    # All ranks' R rows (G*m, or sum m_j), which of them this rank holds, and their valid tokens.
+    layout = distributed.RowLayout(batch["lengths"], cfg.micro_batch, dev)
+    R = len(layout)
+    sampler_logp, valid, agg = batch["sampler_logp"], batch["resp_mask"], aggregation(cfg.loss,
+                                                                                      cfg.loss_agg)
+    # before any update: the old policy's log-probs and entropies (r, T) (the sampler's or a
+    # forward's), the reference's
+    old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
+                                           layout.mine(torch.arange(R)), cfg, dev)
+    # sampler/trainer drift: how far the policy that drew the tokens is from the loss's old policy;
+    # 0 by construction with the sampler's log-probs (then the first mini-batch's max|ratio-1|
+    # measures it)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
-    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0, kl=0.0,
-                drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)  # sums, then maxes
+    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(),
+                clip_frac=0.0, kl=0.0,
+                # sums, then maxes
+                drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
     grad_norm = 0.0
-    # even mini-batches of a permutation the same on every rank (10 rows in 4: 3, 3, 2, 2; fewer rows: one each)
+    # even mini-batches of a permutation the same on every rank (10 rows in 4: 3, 3, 2, 2; fewer
+    # rows: one each)
     minibatches = torch.randperm(R, generator=gen_cpu).tensor_split(min(cfg.n_minibatches, R))
     for k, mb in enumerate(minibatches):
         opt.zero_grad(set_to_none=True)
-        for rows in my_micro_batches(mb):  # this rank's rows of the mini-batch, micro-batched
+        for rows in layout.mine(mb):  # this rank's rows of the mini-batch, micro-batched
             mask, ref = valid[rows], ref_logp[rows] if ref_logp is not None else None  # (r, T) each
             with autocast(cfg, dev):  # a fresh region per forward: it sees the last opt.step()
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
-            w = loss_weights(mask, agg, tokens[mb].sum(), len(mb), cfg.max_new_tokens, logp.dtype)  # (r, T)
-            loss, ratio, clipped, kl = token_loss(logp, old_logp[rows], sampler_logp[rows], ref, adv[rows], mask, w, cfg)
+            # The weights count the whole mini-batch's tokens and rows, over all ranks. (r, T)
+            w = loss_weights(mask, agg, *layout.counts(mb), cfg.max_new_tokens, logp.dtype)
+            loss, ratio, clipped, kl = token_loss(logp, old_logp[rows], sampler_logp[rows], ref,
+                                                  adv[rows], mask, w, cfg)
             loss.sum().backward()
             sums["kl"] += (kl * mask).sum().item()
             sums["clip_frac"] += (clipped & mask).sum().item()
-            if k == 0 and len(rows):  # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
-                sums["max_ratio_dev"] = max(sums["max_ratio_dev"], ((ratio - 1).abs() * mask).max().item())
+            # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
+            if k == 0 and len(rows):
+                sums["max_ratio_dev"] = max(sums["max_ratio_dev"],
+                                            ((ratio - 1).abs() * mask).max().item())
         norm = clip_gradients(model, cfg.grad_clip)  # over all ranks' gradients
         if not math.isfinite(norm):  # never step on a NaN/inf gradient
-            raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not applied")
+            raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not "
+                                     f"applied")
         grad_norm += norm / len(minibatches)
         opt.step()
     opt.zero_grad(set_to_none=True)  # the gradients would otherwise sit through the next rollout
     total = distributed.reduce(sums, maxes=("drift_max", "max_ratio_dev"))  # over all ranks' rows
-    n_tok, per_token = max(tokens.sum().item(), 1), ("entropy", "drift_mean", "clip_frac", "kl")  # each token once
-    return {**{k: v / n_tok if k in per_token else v for k, v in total.items()}, "grad_norm": grad_norm}
+    # each token once
+    n_tok, per_token = max(layout.tokens.sum().item(), 1), ("entropy", "drift_mean",
+                                                            "clip_frac", "kl")
+    return {**{k: v / n_tok if k in per_token else v for k, v in total.items()},
+            "grad_norm": grad_norm}
 
 
 # ----------------------------------------------------------------------------
@@ -452,7 +557,8 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     estimate: --alloc adaptive's per-prompt Q (lib/allocation.py), updated here."""
     replica.eval()
     t0 = time.perf_counter()
-    with autocast(cfg, replica.device):  # no weight changes while sampling: the region's cache is valid
+    # No weight changes while sampling, so the autocast region's cache stays valid.
+    with autocast(cfg, replica.device):
         if estimate is None:
             kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
         else:
@@ -460,41 +566,51 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
-        # --train_rollouts m (PODS): the update's rows, advantages over those m; m = N is the run without it exactly
-        m = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m(n)
-        if len({len(k.rewards) for k in kept}) == 1:  # groups of one N (always with --alloc uniform)
+        # --train_rollouts m (PODS): the update trains on m rows of each group and takes the
+        # advantages over those m; m = N is exactly the run without it.
+        trains_on = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m
+        if len({len(k.rewards) for k in kept}) == 1:  # one N (always so with --alloc uniform)
             all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
-            keep = max_variance_subset(all_rewards, m(all_rewards.shape[1]))  # (G, m)
-            rewards = all_rewards.gather(1, keep)  # (G, m)
-            lengths = torch.stack([k.lengths for k in kept]).gather(1, keep)  # (G, m) valid tokens per response
-        else:  # groups of unequal N (--alloc adaptive): lists of G tensors, (m_j,) each, m_j = m(n_j)
-            keep = [max_variance_subset(k.rewards[None], m(len(k.rewards)))[0] for k in kept]
-            rewards = [k.rewards[i] for k, i in zip(kept, keep)]  # G tensors (m_j,)
-            lengths = [k.lengths[i] for k, i in zip(kept, keep)]  # G tensors (m_j,) valid tokens
+            chosen = max_variance_subset(all_rewards, trains_on(all_rewards.shape[1]))  # (G, m)
+            rewards = all_rewards.gather(1, chosen)  # (G, m)
+            # Each chosen response's valid tokens. (G, m)
+            lengths = torch.stack([k.lengths for k in kept]).gather(1, chosen)
+        else:
+            # Groups of unequal N (--alloc adaptive): lists of G tensors, (m_j,) each.
+            chosen = [max_variance_subset(k.rewards[None], trains_on(len(k.rewards)))[0]
+                      for k in kept]
+            rewards = [k.rewards[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,)
+            lengths = [k.lengths[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,) valid tokens
             all_rewards = torch.cat([k.rewards for k in kept])  # (all kept rollouts,)
         adv = compute_advantages(rewards, cfg.adv_norm, lengths)  # (G, m), or G tensors (m_j,)
-        # each kept group to the rank that trains it (K = 1: all here), then this rank's as one batch
-        groups = distributed.balance([k.rollouts.group(k.index, keep[j]) if k.rollouts is not None else None
-                                       for j, k in enumerate(kept)])
+        # Each kept group moves to the rank that trains it (K = 1: all stay here); this rank's
+        # groups become one batch, which carries every rank's lengths.
+        groups = distributed.balance([k.rollouts.group(k.index, chosen[j])
+                                      if k.rollouts is not None else None
+                                      for j, k in enumerate(kept)])
         my_groups = [j for j, x in enumerate(groups) if x is not None]
-        batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)  # all ranks' lengths
+        batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)
         balanced = cfg.mass_balance and step % cfg.mass_balance == 0
         if balanced:  # instrumented: the answer distributions before the update (lib/balance.py)
-            trained, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
-            others = [x for x in followed if x["prompt"] not in trained]
-            snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept], others, space)
+            trained_prompts, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
+            others = [x for x in followed if x["prompt"] not in trained_prompts]
+            snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept],
+                                                others, space)
             before = snapshot()
         model.train()
-        my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])  # (this rank's rows,)
+        # The advantages of this rank's rows. (its rows,)
+        my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])
         upd = update_policy(model, ref_model, opt, batch, my_adv.to(model.device), cfg, gen_cpu)
         distributed.refresh(model, replica)  # the replica follows the update: one gather per step
         if balanced:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
             replica.eval()
-            upd.update(balance.records(before, snapshot(), kept, keep, space))
-        trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)  # (G, m) or (all m_j,)
-        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())  # N vs m
-        upd["train_responses"] = samples.group_records(kept, keep, adv, tok, cfg)  # to samples.jsonl, not metrics
-    return step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
+            upd.update(balance.records(before, snapshot(), kept, chosen, space))
+        # The rewards of the rows trained on, against all N of the kept groups. (G, m) or (sum m_j,)
+        trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)
+        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())
+        # The trained groups' responses go to samples.jsonl, not to metrics.jsonl.
+        upd["train_responses"] = samples.group_records(kept, chosen, adv, tok, cfg)
+    return steplog.step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
 # ----------------------------------------------------------------------------
@@ -502,58 +618,49 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
 
 
 def evaluate(model, tok, examples, cfg, gen) -> dict:
-    """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy. pass@k
-    is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2, 4, ... and n
-    itself; the sampled responses' mean length and truncated share; the first few of them (samples.jsonl)."""
+    """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
+    pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2, 4,
+    ... and n itself; the sampled responses' mean length and truncated share; the first few of them
+    (samples.jsonl)."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
-    ro, mine, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg, seeds, max_new)  # (P, n)
-    responses, ro = samples.eval_records(examples, ro, mine, correct, lengths, truncated, cfg), None  # ro freed before greedy
+    # (P, n)
+    ro, mine, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg,
+                                                         seeds, max_new)
+    # ro freed before greedy
+    responses, ro = samples.eval_records(examples, ro, mine, correct, lengths, truncated, cfg), None
     greedy = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg, seeds, max_new)[2]  # (P, 1)
     ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
     for k in ks[1:]:
-        m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k) for c in correct.sum(1)) / len(examples)
+        m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k)
+                                  for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]  # k = --eval_samples
-    m["eval_correct"] = [int(c) for c in correct.sum(1)]  # per held-out problem, of n samples: for paired tests
-    m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())  # tokens; share capped
-    m["eval_responses"] = responses  # the first few, for samples.jsonl (harness.Run.log), not for metrics.jsonl
+    # per held-out problem, of n samples: for paired tests
+    m["eval_correct"] = [int(c) for c in correct.sum(1)]
+    # tokens; share capped
+    m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())
+    # the first few, for samples.jsonl (harness.Run.log), not for metrics.jsonl
+    m["eval_responses"] = responses
     return m
 
 
 def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
-    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples rollouts
-    at the training temperature (not N: runs with different N are measured alike). Per prompt, an
-    analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises with it (docs/paper.md §3)."""
+    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples
+    rollouts at the training temperature (not N: runs with different N are measured alike). Per
+    prompt, an analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises with it
+    (docs/paper.md §3)."""
     seeds = draw_seeds(gen, len(probe))
-    q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg, seeds)[2].mean(1)  # (P,)
+    # (P,)
+    q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg,
+                     seeds)[2].mean(1)
     m = {"mass_mean": q.mean().item()}
     if start is not None:
         delta = q - start
-        m.update(mass_rose=(delta > 0).float().mean().item(), mass_fell=(delta < 0).float().mean().item(),
+        m.update(mass_rose=(delta > 0).float().mean().item(),
+                 mass_fell=(delta < 0).float().mean().item(),
                  mass_worst_drop=max(0.0, -delta.min().item()))
     return q, m
-
-
-def step_metrics(stats, t_roll, t_upd, upd) -> dict:
-    """The per-step dict: rollout statistics over ALL generated groups, before filtering. Groups of
-    unequal N (--alloc adaptive, each its own (1, n_j) row of stats["rewards"]): reward and pass@1
-    over all rollouts, zero_adv_frac and pass@N over groups, as with one N; and the allocation's."""
-    groups = [g for x in stats["rewards"] for g in x]  # each generated group's rewards (n_j,)
-    r = torch.cat(groups)  # (rollouts generated,), in the (groups, N) tensor's order with one N
-    top, bottom = torch.stack([g.max() for g in groups]), torch.stack([g.min() for g in groups])  # (groups,)
-    extra = ("alloc_n_min", "alloc_n_median", "alloc_n_max", "informative_per_1k", "rollouts_dropped",
-             "sampled_right")  # --alloc adaptive's; keys and sets: the prompts a rollout got right
-    return {
-        "reward_mean": r.mean().item(),
-        "keep_rate": stats["groups_survived"] / max(stats["groups_generated"], 1),  # before truncation to B
-        "groups_kept": stats["groups_kept"], "sample_rounds": stats["rounds"],
-        "samples": r.numel(),  # rollouts generated this step, dropped groups included
-        "zero_adv_frac": (top == bottom).float().mean().item(),
-        "pass@1": r.mean().item(), "pass@N": (top > 0).float().mean().item(),
-        "resp_len": stats["tokens"] / r.numel(), "tokens_per_s": stats["tokens"] / max(t_roll, 1e-9),
-        "time_rollout": t_roll, "time_update": t_upd, **{k: stats[k] for k in extra if k in stats}, **upd,
-    }
 
 
 # ----------------------------------------------------------------------------
@@ -561,29 +668,46 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
 
 
 def train(cfg: Config) -> list:
-    """Evaluate, then train --steps steps (or until --time_budget), evaluating every --eval_every; the rows."""
-    run = harness.start(cfg)  # seeds, processes, data, the policy (LoRA, --grad_ckpt, FSDP), memory plan, run dir
+    """Evaluate, then train --steps steps (or until --time_budget), evaluating every --eval_every;
+    the rows."""
+    # seeds, processes, data, the policy (LoRA, --grad_ckpt, FSDP), memory plan, run dir
+    run = harness.start(cfg)
     cfg, model, replica, tok = run.cfg, run.model, run.replica, run.tok
-    ref_model = make_reference(replica) if cfg.kl_coef > 0 else None  # the KL's: a frozen copy of the start
-    opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
-    rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)  # prompts; mini-batches
-    # --alloc adaptive: each training prompt's estimated Q (lib/allocation.py), kept in the checkpoint
-    estimate = allocation.Estimate(len(run.train_set), cfg.alloc_decay) if cfg.alloc == "adaptive" else None
-    start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)  # --resume: where it left off
+    # the KL's: a frozen copy of the start
+    ref_model = make_reference(replica) if cfg.kl_coef > 0 else None
+    opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            betas=(0.9, 0.999))
+    # prompts; mini-batches
+    rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
+    # --alloc adaptive: each training prompt's estimated Q (lib/allocation.py), kept in the
+    # checkpoint
+    estimate = (allocation.Estimate(len(run.train_set), cfg.alloc_decay)
+                if cfg.alloc == "adaptive" else None)
+    # --resume: where it left off
+    start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
     probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.eval_set)  # Q's
-    position = {x["prompt"]: i for i, x in enumerate(run.train_set)}  # an eval prompt's training position
+    # an eval prompt's training position
+    position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
     # the whole answer distribution (sets): its prompts, their right answers, the first eval's
     answer_set, space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
     right, first = answers.right_mask(answer_set, space), answers.load_first(run.out)
 
     def log_eval(step, q_start=None):
-        """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random stream)."""
+        """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random
+        stream)."""
         replica.eval()
-        gen = harness.eval_generator(run.device, cfg.seed, step)
+        gen = setup.eval_generator(run.device, cfg.seed, step)
         with run.amp():
             m = evaluate(replica, tok, run.eval_set, cfg, gen)
             q, mq = probe_mass(replica, tok, probe, cfg, gen, start=q_start)
             mq.update(mass.exact_mass(replica, tok, exact_set, cfg))  # exact Q, zones (lib/mass.py)
+            if step == 0 and exact_set:  # whose exact Q each position of mass_exact_log10 is
+                mq["mass_exact_prompts"] = [x["prompt"] for x in exact_set]
+            # the estimate against the exact Q
+            if estimate is not None and "mass_exact_log10" in mq:
+                mq.update(allocation.calibration(estimate,
+                                                 [position.get(x["prompt"]) for x in exact_set],
+                                                 mq["mass_exact_log10"]))
             if answer_set:  # every answer's probability, Figure 3's measures (lib/answers.py)
                 nonlocal first
                 logp = answers.distribution(replica, tok, answer_set, space, cfg.temperature,
@@ -600,24 +724,30 @@ def train(cfg: Config) -> list:
     for step in run.steps(start):  # none after the step that spends --time_budget
         with run.clock:  # training time: evaluations and checkpoints excluded
             try:
-                m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg, run.train_set, rng, step,
-                                             gen_cpu, keep_est, exact_set, estimate)}
-            except FloatingPointError as e:  # the bad mini-batch was not applied: stop before training on it
+                m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg,
+                                             run.train_set, rng, step, gen_cpu, keep_est,
+                                             exact_set, estimate)}
+            except FloatingPointError as e:
+                # the bad mini-batch was not applied: stop before training on it
                 fail(f"step {step}: {e}")
-            keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]  # dynamic sampling's expected keep rate
+            # dynamic sampling's expected keep rate
+            keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]
             if ref_model is not None and step % cfg.ref_reset_every == 0:
-                ref_model.load_state_dict(replica.state_dict())  # ProRL: reset the reference, keep Adam state
-        if run.eval_due(step):  # every --eval_every steps, at the last, and when the budget is spent
+                # ProRL: reset the reference, keep Adam state
+                ref_model.load_state_dict(replica.state_dict())
+        # every --eval_every steps, at the last, and when the budget is spent
+        if run.eval_due(step):
             m.update(log_eval(step, q_start)[0])
-        run.log(m, keep_est, q_start)  # log line, metrics.jsonl; at an eval, metrics.png and the checkpoint
+        # log line, metrics.jsonl; at an eval, metrics.png and the checkpoint
+        run.log(m, keep_est, q_start)
     return run.finish()
 
 
 if __name__ == "__main__":
     cfg = parse_config()
     if cfg.plan:
-        harness.plan(cfg)  # the memory plan, loading no weights
+        setup.plan(cfg)  # the memory plan, loading no weights
     elif cfg.eval_only:
-        harness.eval_only(cfg, evaluate)  # eval.json of --model
+        evalonly.eval_only(cfg, evaluate)  # eval.json of --model
     else:
         train(cfg)

@@ -1,3 +1,3 @@
-"""The machinery brorl.py imports and a reader of the algorithm may skip: the run harness (flags, run
-directory, checkpoints, plots, resume), the model plumbing (policy.py), the memory planner, K processes
-(distributed.py) and real datasets by schema (tasks.py)."""
+"""The machinery brorl.py imports and a reader of the algorithm may skip: the run harness (flags,
+run directory, checkpoints, plots, resume), the model plumbing (policy.py), the memory planner, K
+processes (distributed.py) and real datasets by schema (tasks.py)."""

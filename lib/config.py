@@ -1,9 +1,10 @@
 """
 config.py: the command line. Every field of brorl.py's Config is a --flag (its source comment the
---help); presets are named bundles of overrides applied before the flags given; --resume starts from a
-run's own config.json; check_config names the first thing wrong with a config in one line; fail() stops
-with such a line. It imports nothing of ours but the embedded models' paths (data.py), the verifiers'
-names (verify.py), the process count (distributed.py) and --loss_agg auto's meaning (objectives.py).
+--help); presets are named bundles of overrides applied before the flags given; --resume starts from
+a run's own config.json; check_config names the first thing wrong with a config in one line; fail()
+stops with such a line. It imports nothing of ours but the embedded models' paths (data.py), the
+verifiers' names (verify.py), the process count (distributed.py) and --loss_agg auto's meaning
+(objectives.py).
 """
 
 import argparse
@@ -27,7 +28,8 @@ from lib.objectives import aggregation
 
 def fail(msg: str):
     """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
-    tqdm.write(f"error: {msg}", file=sys.stderr)  # on a line of its own, under a progress bar if one is drawn
+    # on a line of its own, under a progress bar if one is drawn
+    tqdm.write(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -36,9 +38,12 @@ def fail(msg: str):
 
 
 def field_help(config_cls) -> dict:
-    """--help text for each field: the comment that follows it in the Config source."""
+    """--help text for each field: the comment that follows it in the Config source, continued on
+    the comment lines indented under it (as data.py's WarmStart reads its own)."""
     src = inspect.getsource(config_cls)
-    return dict(re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$", src, flags=re.M))
+    return {name: " ".join([first, *re.findall(r"#\s*(.+)", more)])
+            for name, first, more in re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$((?:\n {8,}#.*)*)",
+                                                src, flags=re.M)}
 
 
 def parse_bool(s: str) -> bool:
@@ -55,12 +60,13 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def numbers_as_values(argv: list) -> list:
-    """argv with each negative number in scientific or special notation joined to its flag (--lr -1e-3
-    -> --lr=-1e-3): argparse takes "-1e-3" or "-inf" for an option ("expected one argument"), so that the
-    range checks, not argparse, judge the value."""
+    """argv with each negative number in scientific or special notation joined to its flag (--lr
+    -1e-3 -> --lr=-1e-3): argparse takes "-1e-3" or "-inf" for an option ("expected one argument"),
+    so that the range checks, not argparse, judge the value."""
     joined = []
     for a in argv:
-        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and a.startswith("-") and is_number(a):
+        if (joined and joined[-1].startswith("--") and "=" not in joined[-1] and a.startswith("-")
+            and is_number(a)):
             joined[-1] += "=" + a
         else:
             joined.append(a)
@@ -76,7 +82,8 @@ def is_number(s: str) -> bool:
 
 
 def read_json(path: Path, flag: str) -> dict:
-    """A JSON object from a file, or one line naming the file (a run's config.json cut short or edited)."""
+    """A JSON object from a file, or one line naming the file (a run's config.json cut short or
+    edited)."""
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -86,8 +93,8 @@ def read_json(path: Path, flag: str) -> dict:
     return obj
 
 
-# The files by which a directory holds a run: a new run there would truncate its metrics and replace its
-# checkpoint (a plain directory, or one holding only a sweep's log.txt, is not a run)
+# The files by which a directory holds a run: a new run there would truncate its metrics and replace
+# its checkpoint (a plain directory, or one holding only a sweep's log.txt, is not a run)
 RUN_FILES = ("config.json", "metrics.jsonl", "ckpt", "ckpt.old", "ckpt.tmp")
 
 
@@ -98,8 +105,9 @@ def held_run(out: Path) -> list:
 
 def surviving_checkpoint(run: Path):
     """The checkpoint --resume continues from: run/ckpt; else what a crash inside its save left
-    (harness.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt -> ckpt.old and
-    ckpt.tmp -> ckpt): ckpt.tmp if whole (the newer), else ckpt.old. None if there is none."""
+    (checkpoint.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt ->
+    ckpt.old and ckpt.tmp -> ckpt): ckpt.tmp if whole (the newer), else ckpt.old. None if there is
+    none."""
     whole = lambda d: (d / "trainer_state.pt").is_file()
     if (run / "ckpt").is_dir():
         return run / "ckpt" if whole(run / "ckpt") else None
@@ -107,10 +115,11 @@ def surviving_checkpoint(run: Path):
 
 
 def parse_config(config_cls, description: str, argv=None, presets=None):
-    """Config from the command line: the preset's overrides, then the flags given. With --resume, the
-    run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
-    FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is refused, as
-    it could not take effect; then check_config. The config records what runs: --loss_agg auto resolved."""
+    """Config from the command line: the preset's overrides, then the flags given. With --resume,
+    the run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
+    FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is refused,
+    as it could not take effect; then check_config. The config records what runs: --loss_agg auto
+    resolved."""
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = field_help(config_cls)
@@ -118,10 +127,13 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
-        if f.name == "preset":  # the names from the presets themselves, so the help never falls behind
+        # the names from the presets themselves, so the help never falls behind
+        if f.name == "preset":
             text += f"; one of {', '.join(presets)}"
-        text += "" if "(default:" in text else f" (default: {'none' if f.default == '' else f.default})"
-        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)  # --flag alone: true
+        text += ("" if "(default:" in text
+                 else f" (default: {'none' if f.default == '' else f.default})")
+        # --flag alone: true
+        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)
         parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
                             metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
@@ -139,8 +151,10 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         overrides["out"] = overrides["resume"]
     elif not overrides.get("plan") and not overrides.get("eval_only") and overrides.get("out"):
         if held := held_run(Path(overrides["out"])):  # its metrics and checkpoint would be replaced
-            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): continue it with --resume "
-                         f"{overrides['out']}, or give another --out (delete that directory to start it over)")
+            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): continue it "
+                         f"with --resume "
+                         f"{overrides['out']}, or give another --out (delete that directory to "
+                         f"start it over)")
     cfg = config_cls(**{**base, **overrides})
     problem = check_config(cfg)
     if problem:
@@ -149,36 +163,42 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
 
 
 def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
-    """--resume: the run's own config.json, checked: a checkpoint to continue (ckpt/, or the whole one a
-    crash inside its save left), the same directory as --out, no --preset, no field this Config lacks,
-    no flag changed that the checkpoint fixes."""
+    """--resume: the run's own config.json, checked: a checkpoint to continue (ckpt/, or the whole
+    one a crash inside its save left), the same directory as --out, no --preset, no field this
+    Config lacks, no flag changed that the checkpoint fixes."""
     run = Path(overrides["resume"])
     if overrides.get("init_from"):
-        parser.error("--init_from starts a new run from a checkpoint; --resume continues one: not both")
+        parser.error("--init_from starts a new run from a checkpoint; --resume continues one: not "
+                     "both")
     if not (run / "config.json").is_file():
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
     if surviving_checkpoint(run) is None and (step := evaluated_step(run)):  # it was deleted
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'ckpt' / 'trainer_state.pt'}"
                      f" is missing, though step {step} was evaluated); start over in another --out")
-    if Path(overrides.get("out", run)).resolve() != run.resolve():  # one directory may be spelled two ways
+    # one directory may be spelled two ways
+    if Path(overrides.get("out", run)).resolve() != run.resolve():
         parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
     if preset:
-        parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change single flags")
+        parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change "
+                     f"single flags")
     base = read_json(run / "config.json", f"--resume {run}")
     notes = []  # said once every check has passed: the run's first lines
     if surviving_checkpoint(run) is None:  # stopped before its first checkpoint: nothing is lost
         notes.append(f"--resume {run}: no checkpoint yet (stopped before its first, or --steps 0); "
                      "starting it over from step 0 with its config.json")
     if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
-        parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: {sorted(unknown)}")
-    kinds = {f.name: (int, float) if f.type is float else f.type for f in dataclasses.fields(config_cls)}
-    if bad := [k for k, v in base.items() if not isinstance(v, kinds[k]) or (kinds[k] is int and isinstance(v, bool))]:
+        parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: "
+                     f"{sorted(unknown)}")
+    kinds = {f.name: (int, float) if f.type is float else f.type
+             for f in dataclasses.fields(config_cls)}
+    if bad := [k for k, v in base.items() if not isinstance(v, kinds[k])
+               or (kinds[k] is int and isinstance(v, bool))]:
         parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a "
                      f"{'number' if kinds[bad[0]] == (int, float) else kinds[bad[0]].__name__}")
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     base.update(missing_fields(parser, run, base, overrides, defaults, notes))
     changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]
-    if changed:  # each flag that changes the run: said first, recorded by harness.record_changes
+    if changed:  # each flag that changes the run: said first, recorded by rundir.record_changes
         notes.append(f"--resume {run}: " + ", ".join(f"--{k} {base[k]!r} -> {overrides[k]!r}"
                                                     for k in changed)
                      + " from its checkpoint on (recorded in config_history.jsonl)")
@@ -254,48 +274,56 @@ def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dic
 PRESETS = {
     # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
-    # the keys task (data.py): 512 prompts, each its own right value whose mass the warm start spread over
-    # decades; train = eval, every prompt scored and its exact Q logged (tools/breadth_study.py)
-    "keys": dict(model=str(data.EMBEDDED_MODEL_KEYS), task="keys", eval_prompts=512, eval_samples=16),
-    # the sets task (data.py): 256 prompts, each with 16 right values among the 900 of 100..999, each
-    # rare; train = eval; the whole answer distribution of 64 of them exact at every eval
-    "sets": dict(model=str(data.EMBEDDED_MODEL_SETS), task="sets", eval_prompts=256, eval_samples=16,
-                 answer_prompts=64, max_new_tokens=4),
-    # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch to
-    # fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting points.
-    # A 0.5B instruct model on grade-school math
-    "gsm8k-0.5b": dict(model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k:openai/gsm8k:main", n_rollouts=256, prompts_per_step=16,
-                       max_new_tokens=512, lr=1e-6, n_minibatches=4, grad_ckpt=True, steps=200, eval_every=25,
-                       eval_prompts=256, eval_samples=16),
+    # the keys task (data.py): 512 prompts, each its own right value whose mass the warm start
+    # spread over decades; train = eval, every prompt scored and its exact Q logged
+    # (tools/breadth_study.py)
+    "keys": dict(model=str(data.EMBEDDED_MODEL_KEYS), task="keys", eval_prompts=512,
+                 eval_samples=16),
+    # the sets task (data.py): 256 prompts, each with 16 right values among the 900 of 100..999,
+    # each rare; train = eval; the whole answer distribution of 64 of them exact at every eval
+    "sets": dict(model=str(data.EMBEDDED_MODEL_SETS), task="sets", eval_prompts=256,
+                 eval_samples=16, answer_prompts=64, max_new_tokens=4),
+    # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch
+    # to fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting
+    # points. A 0.5B instruct model on grade-school math
+    "gsm8k-0.5b": dict(model="Qwen/Qwen2.5-0.5B-Instruct", task="gsm8k:openai/gsm8k:main",
+                       n_rollouts=256, prompts_per_step=16, max_new_tokens=512, lr=1e-6,
+                       n_minibatches=4, grad_ckpt=True, steps=200, eval_every=25, eval_prompts=256,
+                       eval_samples=16),
     # A 1.5B reasoning model on DeepScaleR's competition math, 4k-token responses
-    "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
-                      n_rollouts=128, prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
+    "math-1.5b": dict(model="deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",
+                      task="math:agentica-org/DeepScaleR-Preview-Dataset", n_rollouts=128,
+                      prompts_per_step=8, max_new_tokens=4096, lr=2e-6, n_minibatches=4,
                       grad_ckpt=True, steps=200, eval_every=25, eval_prompts=128, eval_samples=16),
-    # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub repository
-    # below at its v2 revision (pin the revision with --model id@revision; BroRL's own result is the
-    # revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts a step, up to 16k tokens a response, on 64 GPUs. lr: ProRL v2's
-    # 1e-6 (its public verl configs; the paper gives only the rule) x sqrt(65,536 / 8,192 samples a
-    # step); 4 mini-batches (ProRL's 256 / 64); k2 KL 1e-4 (ProRL v2's public configs); the reference
-    # reset interval is not published: 100 is ours. Evaluation as the paper's: 16 samples at T 0.6,
-    # top_p 0.95 (brorl.evaluate), 32k tokens. A multi-GPU job: on one 80 GB GPU even one row's update
-    # does not fit (the step's (rows, T) tensors alone are 29 GB); on 8 it fits with --grad_ckpt (--plan)
-    "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B", task="math:agentica-org/DeepScaleR-Preview-Dataset",
-                  n_rollouts=512, prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
-                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200, eval_every=25,
-                  eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
+    # The paper's run (docs/paper.md §5): BroRL continues the ProRL v2 checkpoint, the hub
+    # repository below at its v2 revision (pin the revision with --model id@revision; BroRL's own
+    # result is the revision `brorl`), on DeepScaleR's math, 128 prompts x 512 rollouts a step, up
+    # to 16k tokens a response, on 64 GPUs. lr: ProRL v2's 1e-6 (its public verl configs; the paper
+    # gives only the rule) x sqrt(65,536 / 8,192 samples a step); 4 mini-batches (ProRL's 256 / 64);
+    # k2 KL 1e-4 (ProRL v2's public configs); the reference reset interval is not published: 100 is
+    # ours. Evaluation as the paper's: 16 samples at T 0.6, top_p 0.95 (brorl.evaluate), 32k tokens.
+    # A multi-GPU job: on one 80 GB GPU even one row's update does not fit (the step's (rows, T)
+    # tensors alone are 29 GB); on 8 it fits with --grad_ckpt (--plan)
+    "paper": dict(model="nvidia/Nemotron-Research-Reasoning-Qwen-1.5B",
+                  task="math:agentica-org/DeepScaleR-Preview-Dataset", n_rollouts=512,
+                  prompts_per_step=128, max_new_tokens=16384, lr=1e-6 * math.sqrt(8),
+                  n_minibatches=4, kl_coef=1e-4, ref_reset_every=100, grad_ckpt=True, steps=200,
+                  eval_every=25, eval_prompts=256, eval_samples=16, eval_max_new_tokens=32768),
 }
 
 
-# Flags that --resume cannot change: the checkpoint's restored state decides them (the random streams
-# drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out problem).
-# The rest take effect on resume; the learning rate and weight decay too (load_optimizer sets them).
-FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts", "probe_prompts",
-                   "mass_prompts", "gate_small_n", "gate_large_n", "init_from", "init_optimizer",
-                   "long_prompts")
+# Flags that --resume cannot change: the checkpoint's restored state decides them (the random
+# streams drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out
+# problem). The rest take effect on resume; the learning rate and weight decay too (load_optimizer
+# sets them).
+FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts",
+                   "probe_prompts", "mass_prompts", "gate_small_n", "gate_large_n", "init_from",
+                   "init_optimizer", "long_prompts")
 
 
 def check_device(device: str) -> str:
-    """What is wrong with --device here, or '': auto, cpu, cuda (this process's GPU) or cuda:<index>."""
+    """What is wrong with --device here, or '': auto, cpu, cuda (this process's GPU) or
+    cuda:<index>."""
     if device in ("auto", "cpu"):
         return ""
     try:
@@ -307,16 +335,19 @@ def check_device(device: str) -> str:
     if not torch.cuda.is_available():
         return f"--device {device}: no CUDA device is available here (use cpu, or auto)"
     if d.index is not None and d.index >= torch.cuda.device_count():
-        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), 0 to {torch.cuda.device_count() - 1}"
+        return (f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"0 to {torch.cuda.device_count() - 1}")
     return ""
 
 
 def check_config(cfg) -> str:
-    """The first thing wrong with cfg, as one line naming the flag, or ''. Every number's range is checked
-    here, before any work: a value out of range would train silently wrong (a negative --grad_clip flips
-    the gradient, --lr 0 trains nothing) or crash after training, before its checkpoint."""
+    """The first thing wrong with cfg, as one line naming the flag, or ''. Every number's range is
+    checked here, before any work: a value out of range would train silently wrong (a negative
+    --grad_clip flips the gradient, --lr 0 trains nothing) or crash after training, before its
+    checkpoint."""
     not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                  if f.type is float and not math.isfinite(getattr(cfg, f.name))]  # inf passes a range below
+                  # inf passes a range below
+                  if f.type is float and not math.isfinite(getattr(cfg, f.name))]
     checks = [
         (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
         # torch.manual_seed takes 64 bits; a larger seed would overflow inside it, after the checks
@@ -326,61 +357,87 @@ def check_config(cfg) -> str:
          f"--long_prompts {cfg.long_prompts!r}: choose refuse, drop or allow"),
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
-        (cfg.grad_clip > 0, f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the gradient, 0 zeroes it)"),
+        (cfg.grad_clip > 0,
+         f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the "
+         f"gradient, 0 zeroes it)"),
         (cfg.kl_coef >= 0, f"--kl_coef {cfg.kl_coef}: need >= 0 (0: no KL)"),
-        (cfg.kl_coef == 0 or cfg.ref_reset_every >= 1, f"--ref_reset_every {cfg.ref_reset_every}: need >= 1 steps with --kl_coef > 0"),
-        (0 <= cfg.clip_low < 1, f"--clip_low {cfg.clip_low}: need 0 <= eps_low < 1 (the ratio's floor 1 - eps_low must stay above 0)"),
+        (cfg.kl_coef == 0 or cfg.ref_reset_every >= 1,
+         f"--ref_reset_every {cfg.ref_reset_every}: need >= 1 steps with --kl_coef > 0"),
+        (0 <= cfg.clip_low < 1,
+         f"--clip_low {cfg.clip_low}: need 0 <= eps_low < 1 (the ratio's floor 1 - eps_low must "
+         f"stay above 0)"),
         (cfg.clip_high >= 0, f"--clip_high {cfg.clip_high}: need >= 0"),
-        (cfg.probe_prompts >= 1, f"--probe_prompts {cfg.probe_prompts}: need >= 1 (the probe's Q is logged at every eval)"),
+        (cfg.probe_prompts >= 1,
+         f"--probe_prompts {cfg.probe_prompts}: need >= 1 (the probe's Q is logged at every eval)"),
         (not check_device(cfg.device), check_device(cfg.device)),
-        (cfg.n_rollouts >= 2, f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
+        (cfg.n_rollouts >= 2,
+         f"--n_rollouts {cfg.n_rollouts}: need N >= 2 (advantages compare rollouts)"),
         (cfg.prompts_per_step >= 1, f"--prompts_per_step {cfg.prompts_per_step}: need B >= 1"),
-        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts or cfg.alloc == "adaptive",
+        (cfg.train_rollouts == 0 or 2 <= cfg.train_rollouts <= cfg.n_rollouts
+         or cfg.alloc == "adaptive",
          f"--train_rollouts {cfg.train_rollouts}: need 2 <= m <= N = {cfg.n_rollouts} (0: all N)"),
-        (cfg.alloc in ("uniform", "adaptive"), f"--alloc {cfg.alloc!r}: choose uniform or adaptive"),
+        (cfg.alloc in ("uniform", "adaptive"),
+         f"--alloc {cfg.alloc!r}: choose uniform or adaptive"),
         # adaptive: a group of n_j rollouts trains on min(m, n_j) of them
         (cfg.alloc == "uniform" or cfg.train_rollouts == 0 or cfg.train_rollouts >= 2,
          f"--train_rollouts {cfg.train_rollouts}: need m >= 2 (0: all of each group)"),
         (cfg.alloc == "uniform" or 2 <= cfg.min_rollouts <= cfg.max_rollouts,
-         f"--min_rollouts {cfg.min_rollouts}, --max_rollouts {cfg.max_rollouts}: need 2 <= min <= max"),
+         f"--min_rollouts {cfg.min_rollouts}, --max_rollouts {cfg.max_rollouts}: need 2 <= min <= "
+         f"max"),
         (cfg.alloc == "uniform" or cfg.min_rollouts * cfg.prompts_per_step
          <= (cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts)
          <= cfg.max_rollouts * cfg.prompts_per_step,
-         f"--rollout_budget {cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts}: need B x "
-         f"--min_rollouts <= R <= B x --max_rollouts (B = --prompts_per_step {cfg.prompts_per_step})"),
+         f"--rollout_budget {cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts}: need B "
+         f"x "
+         f"--min_rollouts <= R <= B x --max_rollouts (B = --prompts_per_step "
+         f"{cfg.prompts_per_step})"),
         (cfg.rollout_budget >= 0, f"--rollout_budget {cfg.rollout_budget}: need >= 0 (0: B x N)"),
-        (0 < cfg.alloc_decay <= 1, f"--alloc_decay {cfg.alloc_decay}: need 0 < decay <= 1 (1: no decay)"),
+        (0 < cfg.alloc_decay <= 1,
+         f"--alloc_decay {cfg.alloc_decay}: need 0 < decay <= 1 (1: no decay)"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
-        # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio (and a
-        # policy gradient through the nucleus's cut); the loss uses the full softmax's: refuse, do not bias
-        (cfg.top_p == 1, f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
-                         "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
+        # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio
+        # (and a policy gradient through the nucleus's cut); the loss uses the full softmax's:
+        # refuse, do not bias
+        (cfg.top_p == 1,
+         f"--top_p {cfg.top_p}: training needs top_p = 1 (the loss's log-probs are the full "
+         "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
         (cfg.adv_norm in ("batch", "response", "group", "none"),
          f"--adv_norm {cfg.adv_norm!r}: choose batch, response, group or none"),
         (cfg.loss in ("ppo", "gspo", "cispo"), f"--loss {cfg.loss!r}: choose ppo, gspo or cispo"),
-        (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0, "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
-        (cfg.clip_ratio_c > 1, f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
+        (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0,
+         "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
+        (cfg.clip_ratio_c > 1,
+         f"--clip_ratio_c {cfg.clip_ratio_c}: need c > 1 (dual-clip caps the loss at -c*A)"),
         (cfg.tis_cap >= 0, f"--tis_cap {cfg.tis_cap}: need C >= 0 (0 disables)"),
-        (cfg.verifier in ("auto",) + verify.VERIFIERS, f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
+        (cfg.verifier in ("auto",) + verify.VERIFIERS,
+         f"--verifier {cfg.verifier!r}: choose auto, rules, math_verify or both"),
         (cfg.loss_agg in ("auto", "token", "sequence", "constant"),
          f"--loss_agg {cfg.loss_agg!r}: choose auto, token, sequence or constant"),
-        (cfg.old_logp in ("auto", "sampler", "recompute"), f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
-        (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1, "--n_minibatches and --micro_batch must be >= 1"),
+        (cfg.old_logp in ("auto", "sampler", "recompute"),
+         f"--old_logp {cfg.old_logp!r}: choose auto, sampler, recompute"),
+        (cfg.n_minibatches >= 1 and cfg.micro_batch >= 1,
+         "--n_minibatches and --micro_batch must be >= 1"),
         (cfg.max_rows >= 1, f"--max_rows {cfg.max_rows}: need >= 1"),
-        (cfg.dtype in ("auto", "float32", "bfloat16"), f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
+        (cfg.dtype in ("auto", "float32", "bfloat16"),
+         f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
         (cfg.steps >= 0 and cfg.eval_every >= 1, "--steps must be >= 0 and --eval_every >= 1"),
         (cfg.max_rounds >= 1, f"--max_rounds {cfg.max_rounds}: need >= 1"),
-        (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1, "--eval_prompts and --eval_samples must be >= 1"),
-        (cfg.eval_max_new_tokens >= 0, f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
-        (min(cfg.sample_prompts, cfg.sample_responses, cfg.sample_groups) >= 0, "--sample_* must be >= 0 (0: none)"),
+        (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1,
+         "--eval_prompts and --eval_samples must be >= 1"),
+        (cfg.eval_max_new_tokens >= 0,
+         f"--eval_max_new_tokens {cfg.eval_max_new_tokens}: need >= 0"),
+        (min(cfg.sample_prompts, cfg.sample_responses, cfg.sample_groups) >= 0,
+         "--sample_* must be >= 0 (0: none)"),
         (set(cfg.report_to.split(",")) <= {"none", "tensorboard", "wandb"},
          f"--report_to {cfg.report_to!r}: choose none, tensorboard, wandb, or tensorboard,wandb"),
-        (not (cfg.eval_only and cfg.resume), "--eval_only evaluates --model: give the run directory (or its ckpt/) "
+        (not (cfg.eval_only and cfg.resume),
+         "--eval_only evaluates --model: give the run directory (or its ckpt/) "
                                             "there, not --resume"),
         # (--init_from with --resume on one command line is refused in resumed_config; a run started
         # with --init_from keeps it in config.json, and is resumed from its own checkpoint)
-        (cfg.init_from or not cfg.init_optimizer, "--init_optimizer loads the AdamW state of --init_from: name one"),
+        (cfg.init_from or not cfg.init_optimizer,
+         "--init_optimizer loads the AdamW state of --init_from: name one"),
         (cfg.memory_gb >= 0, f"--memory_gb {cfg.memory_gb}: need >= 0 (0 = the device's)"),
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
         (cfg.mass_prompts >= 0, f"--mass_prompts {cfg.mass_prompts}: need >= 0 (0: the eval set)"),
@@ -391,14 +448,23 @@ def check_config(cfg) -> str:
         (cfg.mass_balance >= 0, f"--mass_balance {cfg.mass_balance}: need >= 0 steps (0: off)"),
         (not cfg.mass_balance or (cfg.task == "sets" and distributed.world_size() == 1),
          "--mass_balance: needs --task sets and one process (not torchrun)"),
-        (1 <= cfg.gate_small_n < cfg.gate_large_n, f"--gate_small_n {cfg.gate_small_n}, --gate_large_n "
-         f"{cfg.gate_large_n}: need 1 <= small < large (the gate is 1/large <= Q < 1/small)"),
-        (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0, f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
-        (cfg.lora_rank == 0 or distributed.world_size() == 1, "--lora_rank: LoRA runs on one process (not under torchrun)"),
-        (cfg.time_budget >= 0, f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
-        (cfg.budget_clock in ("wall", "cpu"), f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
-        # each step's first round asks for at least B prompts: B / K of them, at least, on every rank
-        (cfg.prompts_per_step % distributed.world_size() == 0, f"--prompts_per_step {cfg.prompts_per_step}: "
-         f"must be a multiple of the {distributed.world_size()} processes (each samples its share of the prompts)"),
+        (1 <= cfg.gate_small_n < cfg.gate_large_n,
+         f"--gate_small_n {cfg.gate_small_n}, --gate_large_n " f"{cfg.gate_large_n}: need 1 <= "
+                                                               f"small < large (the gate is "
+                                                               f"1/large <= Q < 1/small)"),
+        (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0,
+         f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
+        (cfg.lora_rank == 0 or distributed.world_size() == 1,
+         "--lora_rank: LoRA runs on one process (not under torchrun)"),
+        (cfg.time_budget >= 0,
+         f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
+        (cfg.budget_clock in ("wall", "cpu"),
+         f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
+        # each step's first round asks for at least B prompts: B / K of them, at least, on every
+        # rank
+        (cfg.prompts_per_step % distributed.world_size() == 0,
+         f"--prompts_per_step {cfg.prompts_per_step}: " f"must be a multiple of the "
+                                                        f"{distributed.world_size()} processes "
+                                                        f"(each samples its share of the prompts)"),
     ]
     return next((msg for ok, msg in checks if not ok), "")

@@ -10,25 +10,28 @@ What is split and what is gathered (brorl.py calls these at each point):
     scores its share() of them; the rewards and lengths of all prompts are gather()ed, so that every
     rank takes the same dynamic-sampling decisions and computes the same advantages and loss
     normalisers. Each prompt's rollouts come from its own seed, so they do not depend on which rank
-    drew them. The kept groups are then balance()d: rank k holds the groups in share(G, k), whichever
-    ranks' prompts survived.
+    drew them. The kept groups are then balance()d: rank k holds the groups in share(G, k),
+    whichever ranks' prompts survived.
   - the update: every rank knows every row's advantage and length, and holds the rows of its groups.
-    micro_batches() gives each rank its rows of a mini-batch, in as many micro-batches as the busiest
-    rank needs. FSDP2 shards the parameters, gradients and AdamW state (shard()); each rank's loss is
-    weighted by the mini-batch's normaliser, which every rank computes alike, and the gradients are
-    SUMMED over ranks (FSDP averages by default): the gradient is one process's up to float rounding.
-    The update's metrics are summed (or maxed) over ranks once, at its end (reduce()). With a bf16
-    compute dtype FSDP all-gathers bf16 copies of the parameters (half the traffic and the gathered
-    bytes) and reduces the gradients in fp32 into the fp32 shards AdamW steps (MixedPrecisionPolicy).
+    micro_batches() gives each rank its rows of a mini-batch, in as many micro-batches as the
+    busiest rank needs. FSDP2 shards the parameters, gradients and AdamW state (shard()); each
+    rank's loss is weighted by the mini-batch's normaliser, which every rank computes alike, and the
+    gradients are SUMMED over ranks (FSDP averages by default): the gradient is one process's up to
+    float rounding. The update's metrics are summed (or maxed) over ranks once, at its end
+    (reduce()). With a bf16 compute dtype FSDP all-gathers bf16 copies of the parameters (half the
+    traffic and the gathered bytes) and reduces the gradients in fp32 into the fp32 shards AdamW
+    steps (MixedPrecisionPolicy).
   - log-probs without logits: brorl's log-prob pass calls the decoder for hidden states and applies
-    the head's weight itself (kernels.linear_logprobs: never the (rows, T, V) logits). Under FSDP the
-    decoder layers gather their own shards, but the root's parameters (embeddings, final norm, head:
-    one unit, the head tied to the embeddings or not) are gathered only in the root's forward. So
-    the whole pass runs as a forward of the root (in_forward(): FSDP's register_fsdp_forward_method):
-    the root's parameters are whole for all of it, the head's weight included, and their gradients
-    are reduce-scattered after the backward exactly as after model(...).
+    the head's weight itself (kernels.linear_logprobs: never the (rows, T, V) logits). Under FSDP
+    the decoder layers gather their own shards, but the root's parameters (embeddings, final norm,
+    head: one unit, the head tied to the embeddings or not) are gathered only in the root's forward.
+    So the whole pass runs as a forward of the root (in_forward(): FSDP's
+    register_fsdp_forward_method): the root's parameters are whole for all of it, the head's weight
+    included, and their gradients are reduce-scattered after the backward exactly as after
+    model(...).
   - full weights: rollouts, evaluation and checkpoints use a full replica of the policy, refreshed
-    from the shards once per step (refresh()); the reference policy (--kl_coef) is a full frozen copy.
+    from the shards once per step (refresh()); the reference policy (--kl_coef) is a full frozen
+    copy.
   - output: rank 0 alone prints and writes (is_main()); the checkpoint's AdamW state is gathered
     from the shards onto rank 0 (optimizer_state()).
 
@@ -41,8 +44,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import (FSDPModule, MixedPrecisionPolicy, fully_shard,
+                                    register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
 
@@ -61,8 +66,8 @@ def is_main() -> bool:
 
 
 def pick_device(device: str) -> torch.device:
-    """The --device flag as a device: auto = this rank's GPU (LOCAL_RANK) if there is one, else the CPU;
-    cuda without an index = this rank's GPU too (a CUDA device needs its index to be set)."""
+    """The --device flag as a device: auto = this rank's GPU (LOCAL_RANK) if there is one, else the
+    CPU; cuda without an index = this rank's GPU too (a CUDA device needs its index to be set)."""
     gpu = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"
     if device == "auto":
         device = gpu if torch.cuda.is_available() else "cpu"
@@ -93,16 +98,17 @@ def teardown():
 
 
 def share(n: int, r: int | None = None) -> range:
-    """This rank's (or rank r's) contiguous share of n items (sizes differ by at most one; empty if n < K)."""
+    """This rank's (or rank r's) contiguous share of n items (sizes differ by at most one; empty if
+    n < K)."""
     K, r = world_size(), rank() if r is None else r
     return range(r * n // K, (r + 1) * n // K)
 
 
 def move(items: list, owner: list) -> list:
     """items[j], held by rank owner[j] (None on the others), moved to the rank whose share() of the
-    len(items) holds j: returns this rank's list, items[j] for j in share(len(items)), None elsewhere.
-    Only the items whose owner is not their destination travel, one send and one receive each, in the
-    order of j on every rank (no cycle of waits). K = 1: items."""
+    len(items) holds j: returns this rank's list, items[j] for j in share(len(items)), None
+    elsewhere. Only the items whose owner is not their destination travel, one send and one receive
+    each, in the order of j on every rank (no cycle of waits). K = 1: items."""
     if not dist.is_initialized():
         return items
     n, r = len(items), rank()
@@ -121,33 +127,68 @@ def move(items: list, owner: list) -> list:
 
 
 def balance(groups: list) -> list:
-    """The kept groups, each on the rank that trains it: groups[j] (a one-group Rollouts on the rank that
-    sampled it, None on the others) moved to the rank whose share() of len(groups) holds j, an even share
-    per rank whatever dynamic sampling kept where. Returns this rank's list: its groups, None elsewhere."""
+    """The kept groups, each on the rank that trains it: groups[j] (a one-group Rollouts on the rank
+    that sampled it, None on the others) moved to the rank whose share() of len(groups) holds j, an
+    even share per rank whatever dynamic sampling kept where. Returns this rank's list: its groups,
+    None elsewhere."""
     if not dist.is_initialized():
         return groups
-    owner = all_sum(torch.tensor([rank() * (x is not None) for x in groups])).long().tolist()  # (G,)
+    # (G,)
+    owner = all_sum(torch.tensor([rank() * (x is not None) for x in groups])).long().tolist()
     return move(groups, owner)
 
 
 def micro_batches(rows: torch.Tensor, n_groups: int, n, size: int) -> list:
-    """This rank's part of `rows` (indices among all ranks' n_groups * n rows, group-major, rank k holding
-    the groups in share(n_groups, k)) as indices into its own batch, in micro-batches of `size`, in the
-    order of `rows`. Every rank gets as many micro-batches as the busiest rank needs (a rank with fewer
-    runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows, in micro-batches.
-    n: rows per group, or a list of each group's (groups of unequal N: --alloc adaptive)."""
+    """This rank's part of `rows` (indices among all ranks' n_groups * n rows, group-major, rank k
+    holding the groups in share(n_groups, k)) as indices into its own batch, in micro-batches of
+    `size`, in the order of `rows`. Every rank gets as many micro-batches as the busiest rank needs
+    (a rank with fewer runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows,
+    in micro-batches. n: rows per group, or a list of each group's (groups of unequal N: --alloc
+    adaptive)."""
     K, mine = world_size(), share(n_groups)
-    ends = [0] + torch.tensor(n, dtype=torch.long).cumsum(0).tolist() if isinstance(n, list) else None
-    first = lambda j: ends[j] if ends else j * n  # the first row of group j (j = n_groups: all rows)
-    stops = torch.tensor([first(share(n_groups, k).stop) for k in range(K)])  # (K,) each rank's rows' end
+    ends = ([0] + torch.tensor(n, dtype=torch.long).cumsum(0).tolist()
+            if isinstance(n, list) else None)
+    # the first row of group j (j = n_groups: all rows)
+    first = lambda j: ends[j] if ends else j * n
+    # (K,) each rank's rows' end
+    stops = torch.tensor([first(share(n_groups, k).stop) for k in range(K)])
     owner = torch.bucketize(rows.cpu(), stops, right=True)  # (len(rows),) the rank holding each row
     local = rows[(owner == rank()).to(rows.device)] - first(mine.start)  # (this rank's rows,)
-    count = -(-int(torch.bincount(owner, minlength=K).max()) // size) if len(rows) else 0  # the busiest rank's
+    # the busiest rank's
+    count = -(-int(torch.bincount(owner, minlength=K).max()) // size) if len(rows) else 0
     return [local[i * size: (i + 1) * size] for i in range(count)]
 
 
+class RowLayout:
+    """The update's R rows over all ranks, group-major (each group's responses in turn, rank k
+    holding the groups in share(G, k)). lengths: (G, m) valid tokens per response, or G tensors
+    (m_j,) for groups of unequal N (--alloc adaptive). Every rank knows every row's length, so the
+    loss's normalisers are alike on every rank; each rank computes only the rows it holds."""
+
+    def __init__(self, lengths, micro_batch: int, device):
+        ragged = not torch.is_tensor(lengths)
+        self.n_groups = len(lengths)
+        self.per_group = [len(x) for x in lengths] if ragged else lengths.shape[1]  # m, or each m_j
+        self.tokens = torch.cat(lengths) if ragged else lengths.flatten()  # (R,) every rank's rows
+        self.micro_batch, self.device = micro_batch, device
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def mine(self, rows: torch.Tensor) -> list:
+        """This rank's rows among `rows` (indices among all ranks' rows), as micro-batches of
+        indices into its own batch (micro_batches: as many on every rank)."""
+        parts = micro_batches(rows, self.n_groups, self.per_group, self.micro_batch)
+        return [x.to(self.device) for x in parts]
+
+    def counts(self, rows: torch.Tensor) -> tuple:
+        """(valid tokens, rows) of `rows` over all ranks: a mini-batch's loss normalisers."""
+        return self.tokens[rows].sum(), len(rows)
+
+
 def reduce(metrics: dict, maxes=()) -> dict:
-    """Metrics summed over ranks (those named in maxes: their max over ranks), one all-reduce for each kind."""
+    """Metrics summed over ranks (those named in maxes: their max over ranks), one all-reduce for
+    each kind."""
     sums = [k for k in metrics if k not in maxes]
     total, top = all_sum([metrics[k] for k in sums]), all_max([metrics[k] for k in maxes])
     return {**dict(zip(sums, total.tolist())), **dict(zip(maxes, top.tolist()))}
@@ -158,7 +199,8 @@ def gather(x: torch.Tensor) -> torch.Tensor:
     if not dist.is_initialized():
         return x
     parts = [None] * world_size()
-    dist.all_gather_object(parts, x.cpu())  # shares differ in size: objects, not a tensor collective
+    # shares differ in size: objects, not a tensor collective
+    dist.all_gather_object(parts, x.cpu())
     return torch.cat(parts).to(x.device)
 
 
@@ -209,11 +251,13 @@ def shard(model, dtype=torch.float32):
     (rollouts, evaluation, checkpoints), then the model is sharded with FSDP2, each decoder layer a
     unit (Hugging Face names its classes in _no_split_modules) and the root holding the rest. dtype:
     the compute dtype; bf16 gathers bf16 parameters and reduces fp32 gradients (the shards, AdamW's
-    master weights, stay fp32). Inputs are not cast: the residual stream stays fp32, as under autocast."""
+    master weights, stay fp32). Inputs are not cast: the residual stream stays fp32, as under
+    autocast."""
     if world_size() == 1:
         return model, model
     replica = copy.deepcopy(model)
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
     layers = set(getattr(model, "_no_split_modules", None) or [])
     for m in model.modules():
         if type(m).__name__ in layers:
@@ -221,17 +265,20 @@ def shard(model, dtype=torch.float32):
     fully_shard(model, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):  # SUM the gradients over ranks: each rank's loss is already
-            m.set_gradient_divide_factor(1.0)  # weighted by the global normaliser (the default averages)
-            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    model.run_forward = lambda fn: fn()  # in_forward's entry: FSDP's pre/post-forward hooks around fn
+            # weighted by the global normaliser (the default averages)
+            m.set_gradient_divide_factor(1.0)
+            # a plain SUM (gloo has no pre-multiplied sum)
+            m.set_force_sum_reduction_for_comms(True)
+    # in_forward's entry: FSDP's pre/post-forward hooks around fn
+    model.run_forward = lambda fn: fn()
     register_fsdp_forward_method(model, "run_forward")
     return model, replica
 
 
 def in_forward(model, fn):
     """fn() (which calls parts of `model`) run as one forward of the model: under FSDP, the root's
-    parameters are gathered before it and its gradients reduced after the backward, as for model(...).
-    K = 1: fn()."""
+    parameters are gathered before it and its gradients reduced after the backward, as for
+    model(...). K = 1: fn()."""
     return model.run_forward(fn) if isinstance(model, FSDPModule) else fn()
 
 
@@ -249,7 +296,9 @@ def optimizer_state(model, opt) -> dict:
     ranks get {}), keyed by parameter name; --resume must use the same K."""
     if world_size() == 1:
         return opt.state_dict()
-    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_optimizer_state_dict(model, opt,
+                                    options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=True))
 
 
 def load_optimizer_state(model, opt, state: dict):

@@ -17,9 +17,10 @@ The per-token constants below count what autograd keeps for a Qwen2/Llama decode
 autocast (checked against measured peaks, tests/test_onegpu.py and tests/test_rehearsal.py). The
 estimate is of tensor bytes; an allocator adds its fragmentation on top (a margin on CUDA).
 
-    plan(model_config, cfg, prompt_tokens, world_size=1) -> {"rollout": [(item, bytes)], "update": [...]}
-    fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an error line
-    measure_peak(fn) -> peak bytes of live tensors while fn runs (the check of the estimate on a CPU)
+    plan(model_config, cfg, prompt_tokens, world_size=1) -> {"rollout": [(item, bytes)], "update":
+    [...]} fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an
+    error line measure_peak(fn) -> peak bytes of live tensors while fn runs (the check of the
+    estimate on a CPU)
 """
 
 import dataclasses
@@ -36,42 +37,46 @@ from lib.config import fail
 from sampler import encode_prompt
 
 GB = 2**30
-CUDA_MARGIN = 0.90  # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
+# default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
+CUDA_MARGIN = 0.90
 
 
 def _shape(mc):
     """(H, I, L, V, heads, kv heads, head dim) of a Hugging Face decoder config."""
     H, nh = mc.hidden_size, mc.num_attention_heads
     hd = getattr(mc, "head_dim", None) or H // nh
-    return H, mc.intermediate_size, mc.num_hidden_layers, mc.vocab_size, nh, mc.num_key_value_heads, hd
+    return (H, mc.intermediate_size, mc.num_hidden_layers, mc.vocab_size, nh,
+            mc.num_key_value_heads, hd)
 
 
 def param_counts(mc) -> tuple:
-    """(all parameters, parameters of Linear layers incl. the LM head): autocast keeps a low-precision
-    copy of each Linear weight it uses."""
+    """(all parameters, parameters of Linear layers incl. the LM head): autocast keeps a
+    low-precision copy of each Linear weight it uses."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
-    attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + (nh + 2 * nkv) * hd  # q, k, v, o (+ qkv biases)
+    # q, k, v, o (+ qkv biases)
+    attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + (nh + 2 * nkv) * hd
     mlp = 3 * H * I  # gate, up, down
     tied = getattr(mc, "tie_word_embeddings", False)
-    total = V * H * (1 if tied else 2) + L * (attn + mlp + 2 * H) + H  # embeddings, layers (2 norms), final norm
+    # embeddings, layers (2 norms), final norm
+    total = V * H * (1 if tied else 2) + L * (attn + mlp + 2 * H) + H
     return total, L * (attn + mlp) + V * H
 
 
 def lora_param_count(mc, cfg) -> int:
-    """Parameters of a rank-r LoRA adapter (--lora_rank) on the --lora_targets of every decoder layer:
-    r * (fan_in + fan_out) each, for the Qwen2/Llama projections; 0 without LoRA."""
+    """Parameters of a rank-r LoRA adapter (--lora_rank) on the --lora_targets of every decoder
+    layer: r * (fan_in + fan_out) each, for the Qwen2/Llama projections; 0 without LoRA."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
-    shapes = dict(q_proj=(H, nh * hd), k_proj=(H, nkv * hd), v_proj=(H, nkv * hd), o_proj=(nh * hd, H),
-                  gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H))
+    shapes = dict(q_proj=(H, nh * hd), k_proj=(H, nkv * hd), v_proj=(H, nkv * hd),
+                  o_proj=(nh * hd, H), gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H))
     r = getattr(cfg, "lora_rank", 0)
     return L * r * sum(sum(shapes.get(t, (0, 0))) for t in cfg.lora_targets.split(",")) if r else 0
 
 
 def layer_activation_bytes(mc, c: int) -> float:
-    """Bytes autograd keeps per token for one decoder layer; c = compute dtype bytes (2 bf16, 4 fp32).
-    fp32: each RMSNorm keeps its input, the normalised product and its output (3 x 4H); rotary keeps
-    q, k and their rotated halves; SDPA q, k and v (expanded to all heads, GQA) and its output; o_proj
-    its input; the SwiGLU MLP gate, up, silu(gate) and their product (4 x 4I).
+    """Bytes autograd keeps per token for one decoder layer; c = compute dtype bytes (2 bf16, 4
+    fp32). fp32: each RMSNorm keeps its input, the normalised product and its output (3 x 4H);
+    rotary keeps q, k and their rotated halves; SDPA q, k and v (expanded to all heads, GQA) and its
+    output; o_proj its input; the SwiGLU MLP gate, up, silu(gate) and their product (4 x 4I).
     bf16 autocast: the residual stream and the norms stay fp32 and each Linear keeps a bf16 cast of
     its input; projections, rotary inputs, SDPA and the MLP are bf16."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
@@ -82,7 +87,8 @@ def layer_activation_bytes(mc, c: int) -> float:
 
 def sampling_bytes_per_row(V: int, c: int, top_p: float) -> int:
     """The sampling step's (rows, V) buffers per row: the logits (c), fp32 probabilities and their
-    cumulative sum, and the log-prob kernel's chunk; top_p < 1 adds the sort (values + int64 indices)."""
+    cumulative sum, and the log-prob kernel's chunk; top_p < 1 adds the sort (values + int64
+    indices)."""
     per = c + 4 + 8  # logits, probs, the cumulative sum (float64)
     if top_p < 1:
         per += 4 + 8 + 4 + 1  # sorted values, their int64 indices, the masked copy, the drop mask
@@ -98,71 +104,87 @@ def kv_capacity(max_new: int) -> int:
 
 
 def rollout_rows(cfg, n: int, prompts: int) -> int:
-    """Rows decoded at once for n rollouts of `prompts` prompts: whole groups up to max_rows (sampler.generate)."""
+    """Rows decoded at once for n rollouts of `prompts` prompts: whole groups up to max_rows
+    (sampler.generate)."""
     if n > cfg.max_rows:
         return cfg.max_rows
     return min(cfg.max_rows // n, prompts) * n
 
 
 def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
-    """Estimated peak bytes of each phase on one rank, itemised: {"rollout": [(item, bytes)], "update": [...]}.
-    world_size K > 1 (torchrun, distributed.py): weights, gradients and AdamW state are sharded 1/K; a full
-    fp32 replica samples the rollouts; each rank samples its share of the prompts."""
+    """Estimated peak bytes of each phase on one rank, itemised: {"rollout": [(item, bytes)],
+    "update": [...]}. world_size K > 1 (torchrun, distributed.py): weights, gradients and AdamW
+    state are sharded 1/K; a full fp32 replica samples the rollouts; each rank samples its share of
+    the prompts."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
     c = 2 if _compute_bytes(cfg) == 2 else 4
     total, linear = param_counts(mc)
-    B, N, T, P, K = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens, prompt_tokens, world_size
+    B, N, T = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens
+    P, K = prompt_tokens, world_size
     shard = f", 1/{K} shard" if K > 1 else ""
-    # --lora_rank: the weights frozen, the adapter alone trained (gradients, AdamW state); the KL's reference
-    # shares the base weights and copies the adapter
+    # --lora_rank: the weights frozen, the adapter alone trained (gradients, AdamW state); the KL's
+    # reference shares the base weights and copies the adapter
     lora = lora_param_count(mc, cfg)
     trained = lora or total / K
-    state = [(f"weights (fp32{shard})", 4 * total / K)] + [("LoRA adapter (fp32)", 4 * lora)] * (lora > 0)
+    state = ([(f"weights (fp32{shard})", 4 * total / K)]
+             + [("LoRA adapter (fp32)", 4 * lora)] * (lora > 0))
     state.append((f"AdamW state (fp32 m, v{shard})", 8 * trained))
     if K > 1:
         state.append(("full replica: rollouts, eval, checkpoints (fp32)", 4 * total))
     if cfg.kl_coef > 0:
-        state.append(("reference policy (fp32)" if not lora else "reference: a copy of the LoRA adapter", 4 * (lora or total)))
+        state.append(("reference policy (fp32)" if not lora
+                      else "reference: a copy of the LoRA adapter", 4 * (lora or total)))
     if c == 2:
         state.append(("autocast's bf16 weight copies", 2 * linear))
 
     # rollout: the largest chunk of training, eval (top_p 0.95) and probe sampling
     def chunk(rows, top_p, prompts):
         cap = kv_capacity(T)
-        kv = L * rows * nkv * hd * 2 * c * cap + rows * nkv * hd * 2 * c * cap // 2  # + one layer doubling
+        # + one layer doubling
+        kv = L * rows * nkv * hd * 2 * c * cap + rows * nkv * hd * 2 * c * cap // 2
         prefix = L * prompts * nkv * hd * 2 * c * P
         return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
-                ("chunk outputs (rows, T)", rows * T * 17)]  # int64 token, bool mask, fp32 logp, entropy
-    train_prompts, eval_prompts = math.ceil(4 * B / K), math.ceil(cfg.eval_prompts / K)  # this rank's share
-    chunks = [chunk(rollout_rows(cfg, N, train_prompts), cfg.top_p, min(train_prompts, max(cfg.max_rows // N, 1))),
+                # int64 token, bool mask, fp32 logp, entropy
+                ("chunk outputs (rows, T)", rows * T * 17)]
+    # this rank's share
+    train_prompts, eval_prompts = math.ceil(4 * B / K), math.ceil(cfg.eval_prompts / K)
+    chunks = [chunk(rollout_rows(cfg, N, train_prompts), cfg.top_p,
+                    min(train_prompts, max(cfg.max_rows // N, 1))),
               chunk(rollout_rows(cfg, cfg.eval_samples, eval_prompts), 0.95,
                     min(eval_prompts, max(cfg.max_rows // cfg.eval_samples, 1)))]
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    R = math.ceil(B / K) * (cfg.train_rollouts or N)  # rows a rank trains per step: its even share of the kept groups
+    # rows a rank trains per step: its even share of the kept groups
+    R = math.ceil(B / K) * (cfg.train_rollouts or N)
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
     if cfg.grad_ckpt:
-        acts = L * tokens * 4 * H + tokens * per_layer  # each layer's fp32 input + one layer replayed
+        # each layer's fp32 input + one layer replayed
+        acts = L * tokens * 4 * H + tokens * per_layer
     else:
         acts = L * tokens * per_layer
-    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H  # embeddings, LM head, final norm
-    # FSDP gathers parameters in the compute dtype (distributed.shard); a layer's full gradient is in
-    # that dtype too, cast to fp32 for the reduction when it is bf16
+    # embeddings, LM head, final norm
+    root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
+    # FSDP gathers parameters in the compute dtype (distributed.shard); a layer's full gradient is
+    # in that dtype too, cast to fp32 for the reduction when it is bf16
     layer = (total - root) / L
-    fsdp = [("FSDP: gathered root and 2 layers, a layer's full gradient", c * root + (3 * c + 4 * (c == 2)) * layer)] * (K > 1)
+    fsdp = ([("FSDP: gathered root and 2 layers, a layer's full gradient", c * root
+              + (3 * c + 4 * (c == 2)) * layer)] * (K > 1))
     n_state = 2 + (lora > 0)  # weights, (adapter,) AdamW
-    update = [*state[:n_state], (f"gradients (fp32{shard})" if not lora else "gradients of the adapter", 4 * trained),
+    update = [*state[:n_state],
+              (f"gradients (fp32{shard})" if not lora else "gradients of the adapter", 4 * trained),
               *fsdp, *state[n_state:],
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
-              (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})", acts),
-              ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
-              ("logits and their gradient" + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
+              (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})",
+               acts), ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
+              ("logits and their gradient"
+               + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
                logits_bytes(r * T, V, H, c, policy.plain_logits(mc))),
-              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]  # not alive with the above: a margin
+              # not alive with the above: a margin
+              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]
     return {"rollout": rollout, "update": update}
 
 
@@ -183,7 +205,8 @@ def logits_bytes(rows: int, V: int, H: int, c: int, plain: bool = True) -> int:
 
 
 def _compute_bytes(cfg) -> int:
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32")
+    dtype = (cfg.dtype if cfg.dtype != "auto"
+             else ("bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32"))
     return 2 if dtype == "bfloat16" else 4
 
 
@@ -192,12 +215,13 @@ def peaks(table: dict) -> dict:
 
 
 def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
-    """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes (one rank's) in both
-    phases; or a string, one line naming what to lower, when even one row does not fit."""
+    """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes (one rank's) in
+    both phases; or a string, one line naming what to lower, when even one row does not fit."""
     import dataclasses
     plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
     over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
-    gib = lambda x: f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 2 ** 20:.1f} MB"  # never "0.0 GB"
+    # never "0.0 GB"
+    gib = lambda x: f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 2 ** 20:.1f} MB"
     rows = fit_rows(mc, cfg, prompt_tokens, memory_bytes, world_size)
     if rows is None:
         one = peaks(plan_k(dataclasses.replace(cfg, max_rows=1)))["rollout"]
@@ -218,10 +242,11 @@ def fit_rows(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int =
     """The largest max_rows not above cfg's whose rollout fits memory_bytes, or None: whole groups
     (multiples of N) down to one group, then powers of two below N."""
     N = cfg.n_rollouts
-    options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)),
-                      *(2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))}, reverse=True)
-    return next((x for x in options if x <= cfg.max_rows and peaks(plan(
-        mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens, world_size))["rollout"] <= memory_bytes), None)
+    powers = (2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))
+    options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)), *powers}, reverse=True)
+    fits = lambda x: peaks(plan(mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens,
+                                world_size))["rollout"] <= memory_bytes
+    return next((x for x in options if x <= cfg.max_rows and fits(x)), None)
 
 
 def default_memory_bytes(device) -> float:
@@ -246,13 +271,16 @@ def format_plan(table: dict, memory_bytes: float | None = None) -> str:
 # ----------------------------------------------------------------------------
 # Time per step on one GPU: a roofline estimate, not a measurement
 
-H100 = dict(name="one H100 80GB SXM", flops=989e12, bytes_s=3.35e12)  # dense bf16 peak, HBM3 bandwidth
+# dense bf16 peak, HBM3 bandwidth
+H100 = dict(name="one H100 80GB SXM", flops=989e12, bytes_s=3.35e12)
 MFU = 0.4  # fraction of the peak that eager bf16 matmuls reach (assumed)
 OP_S = 5e-6  # seconds per eager kernel launch on the decode path (assumed)
-OPS_PER_LAYER = 60  # eager ops per decoder layer per decode step (cascade attention, rotary, norms, MLP)
+# eager ops per decoder layer per decode step (cascade attention, rotary, norms, MLP)
+OPS_PER_LAYER = 60
 
 
-def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5, world_size: int = 1) -> dict:
+def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5,
+                 world_size: int = 1) -> dict:
     """Rough seconds per step on `world_size` GPUs, each doing 1/K of the work (no communication
     counted): every response at full length, `keep` of the groups surviving
     dynamic sampling. A decode step costs its matmul FLOPs or its bytes (bf16 weights, the KV cache
@@ -265,8 +293,10 @@ def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5, world
     rows = rollout_rows(cfg, N, 4 * B)
     chunks = math.ceil(B / keep * N / rows)
     flop_s = gpu["flops"] * MFU
-    bytes_step = 2 * linear + rows * (P + T / 2) * L * nkv * hd * 4 + rows * V * sampling_bytes_per_row(1, 2, 1.0)
-    per_token = max(2 * linear * rows / flop_s, bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
+    bytes_step = (2 * linear + rows * (P + T / 2) * L * nkv * hd * 4
+                  + rows * V * sampling_bytes_per_row(1, 2, 1.0))
+    per_token = max(2 * linear * rows / flop_s,
+                    bytes_step / gpu["bytes_s"]) + (L * OPS_PER_LAYER + 50) * OP_S
     rollout = chunks * T * per_token / world_size
     forwards = 1 + (cfg.old_logp != "sampler") + cfg.grad_ckpt + (cfg.kl_coef > 0)
     m = cfg.train_rollouts or N  # rows trained per group
@@ -335,9 +365,10 @@ def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
 def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False,
                 prompt_tokens=None):
     """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
-    --memory_gb; stop with one line naming what to lower when even one row does not fit (report_only,
-    for --plan: say so and print the plan of one row). world_size: the K to plan for (default: this
-    run's). prompt_tokens: the longest prompt (default: the training set's, every row measured)."""
+    --memory_gb; stop with one line naming what to lower when even one row does not fit
+    (report_only, for --plan: say so and print the plan of one row). world_size: the K to plan for
+    (default: this run's). prompt_tokens: the longest prompt (default: the training set's, every row
+    measured)."""
     prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
     memory = cfg.memory_gb * GB or default_memory_bytes(device)
     K = world_size or distributed.world_size()  # the figures are one rank's
@@ -349,10 +380,12 @@ def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, repo
         say(f"does not fit on {K} device(s): {fitted}")
         fitted = (fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
     if fitted != (cfg.max_rows, cfg.micro_batch):
-        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} -> {fitted[1]} "
+        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} "
+            f"-> {fitted[1]} "
             f"to fit {memory / GB:.1f} GB")
         cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
-    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, {policy.compute_dtype(cfg, device)}):")
+    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, "
+        f"{policy.compute_dtype(cfg, device)}):")
     say(format_plan(plan(model_config, cfg, prompt_tokens, K), memory))
     t = step_seconds(model_config, cfg, prompt_tokens, world_size=K)
     gpus = H100["name"] if K == 1 else f"{K} x {H100['name']}, ideal scaling"

@@ -1,13 +1,13 @@
 """
-policy.py: the policy as a Hugging Face model. Loading it (fp32 master weights, the "brorl" attention
-of sampler.py), the dtype its matmuls run in and the autocast region that must wrap forwards only,
-and the update's forward plumbing: the step's rollouts as one batch (pack_groups), their log-probs with
-each prompt run once (response_logprobs), the output layer that log-probs can skip (plain_head), a KV
-cache that stays right when activation checkpointing replays a layer (ReplayCache), the checkpointing,
-and the gradient norm over every process's shards (clip_gradients).
-LoRA (--lora_rank, through peft, imported only then): the adapter (add_lora, load_policy of an adapter
-dir), what the optimizer trains (trainable), and the KL's reference sharing the base weights
-(make_reference, LoraReference, as_reference).
+policy.py: the policy as a Hugging Face model. Loading it (fp32 master weights, the "brorl"
+attention of sampler.py), the dtype its matmuls run in and the autocast region that must wrap
+forwards only, and the update's forward plumbing: the step's rollouts as one batch (pack_groups),
+their log-probs with each prompt run once (response_logprobs), the output layer that log-probs can
+skip (plain_head), a KV cache that stays right when activation checkpointing replays a layer
+(ReplayCache), the checkpointing, and the gradient norm over every process's shards
+(clip_gradients). LoRA (--lora_rank, through peft, imported only then): the adapter (add_lora,
+load_policy of an adapter dir), what the optimizer trains (trainable), and the KL's reference
+sharing the base weights (make_reference, LoraReference, as_reference).
 """
 
 import contextlib
@@ -28,17 +28,20 @@ from sampler import cache_kwarg  # importing sampler registers attn_implementati
 
 def load_policy(name: str, device, flag="--model"):
     """Model and tokenizer from a hub id or a local dir (a run's dir: its checkpoint; a LoRA adapter
-    dir in peft's format: its base model with the adapter on it); one clear line if that is impossible."""
+    dir in peft's format: its base model with the adapter on it); one clear line if that is
+    impossible."""
     if any((Path(name) / "ckpt" / f).is_file() for f in ("config.json", "adapter_config.json")):
         name = str(Path(name) / "ckpt")
     if (Path(name) / "adapter_config.json").is_file():
-        base = json.loads((Path(name) / "adapter_config.json").read_text())["base_model_name_or_path"]
+        adapter = json.loads((Path(name) / "adapter_config.json").read_text())
+        base = adapter["base_model_name_or_path"]
         model, tok = load_policy(base, device, f"{flag} {name}: its base model")
         try:
             model = _peft(flag).PeftModel.from_pretrained(model, name, is_trainable=True)
         except (OSError, ValueError) as e:
             fail(f"{flag} {name}: could not load the adapter ({str(e).splitlines()[0]})")
-        return model.to(device), AutoTokenizer.from_pretrained(name) if (Path(name) / "tokenizer_config.json").is_file() else tok
+        return (model.to(device), AutoTokenizer.from_pretrained(name)
+                if (Path(name) / "tokenizer_config.json").is_file() else tok)
     name, revision = split_revision(name)
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
     if looks_local and not Path(name).expanduser().is_dir():
@@ -48,7 +51,8 @@ def load_policy(name: str, device, flag="--model"):
         model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
                                                      attn_implementation="brorl")
     except SafetensorError as e:  # a weights file cut short or corrupt
-        files = ", ".join(f.name for f in sorted(Path(name).expanduser().glob("*.safetensors"))) or "its .safetensors"
+        files = (", ".join(f.name for f in sorted(Path(name).expanduser().glob("*.safetensors")))
+                 or "its .safetensors")
         fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
@@ -58,7 +62,8 @@ def load_policy(name: str, device, flag="--model"):
 
 
 def split_revision(name: str) -> tuple:
-    """--model org/name@revision -> (org/name, revision); no @ (or a local path that has one): revision None."""
+    """--model org/name@revision -> (org/name, revision); no @ (or a local path that has one):
+    revision None."""
     if "@" not in name or Path(name).expanduser().exists():
         return name, None
     name, revision = name.rsplit("@", 1)
@@ -67,8 +72,8 @@ def split_revision(name: str) -> tuple:
 
 def compute_dtype(cfg, device) -> torch.dtype:
     """--dtype as a torch dtype: auto is bf16 on CUDA, fp32 elsewhere."""
-    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-            "bfloat16": torch.bfloat16}[cfg.dtype]
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
 def autocast(cfg, device):
@@ -84,13 +89,15 @@ def autocast(cfg, device):
 # Config fields with which a transformers model changes its logits after the output layer
 # (logits = f(hidden @ W.T)): soft-capping (Gemma 2/3), a scale (Cohere), a divisor (Granite), a
 # multiplier (Falcon-H1). Such a model's log-probs are taken from its full logits instead.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                    "lm_head_multiplier")
 
 
 def plain_head(model):
     """The output embedding's weight (V, H) when logits = hidden @ weight.T exactly (a bias-free
     linear head, no transform in the config), so log-probs can skip the logits; else None. Sharded
-    (K > 1), the weight is whole only inside the root's forward (distributed.in_forward): call it there."""
+    (K > 1), the weight is whole only inside the root's forward (distributed.in_forward): call it
+    there."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None or not plain_logits(model.config):
         return None
@@ -98,7 +105,8 @@ def plain_head(model):
 
 
 def plain_logits(model_config) -> bool:
-    """Whether the config applies nothing to hidden @ W.T (the planner's test of the path that runs)."""
+    """Whether the config applies nothing to hidden @ W.T (the planner's test of the path that
+    runs)."""
     return not [k for k in LOGIT_TRANSFORMS if getattr(model_config, k, None) not in (None, 1, 1.0)]
 
 
@@ -115,16 +123,18 @@ class ReplayCache(DynamicCache):
         self.base = [k.shape[-2] for k, _ in prefix]  # per layer: the prefix's length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:  # a replay, or the prefix
-            n, layer = self.base[layer_idx] if layer_idx < len(self.base) else 0, self.layers[layer_idx]
+        # a replay, or the prefix
+        if layer_idx < len(self.layers) and self.layers[layer_idx].is_initialized:
+            n = self.base[layer_idx] if layer_idx < len(self.base) else 0
+            layer = self.layers[layer_idx]
             layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def enable_grad_ckpt(model):
-    """--grad_ckpt: keep only each decoder layer's input in the update and recompute the layer in the
-    backward (transformers' per-layer checkpointing, non-reentrant). Its layers drop the KV cache
-    under checkpointing unless told the cache is replay-safe: ReplayCache is."""
+    """--grad_ckpt: keep only each decoder layer's input in the update and recompute the layer in
+    the backward (transformers' per-layer checkpointing, non-reentrant). Its layers drop the KV
+    cache under checkpointing unless told the cache is replay-safe: ReplayCache is."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # its name in transformers 5.24
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -154,12 +164,14 @@ def is_lora(model) -> bool:
 
 def add_lora(model, rank: int, alpha: float, targets: str):
     """--lora_rank r: a LoRA adapter (scale alpha / r, no dropout: the loss's log-probs must be the
-    sampler's) on the named Linear layers of every decoder layer; everything else frozen. The LM head is
-    not a target, so kernels.linear_logprobs still takes it as a plain linear head. The sampler decodes
-    with the adapter unmerged (an extra low-rank matmul per target, exact; merged: docs/results/objectives.md)."""
+    sampler's) on the named Linear layers of every decoder layer; everything else frozen. The LM
+    head is not a target, so kernels.linear_logprobs still takes it as a plain linear head. The
+    sampler decodes with the adapter unmerged (an extra low-rank matmul per target, exact; merged:
+    docs/results/objectives.md)."""
     peft = _peft()
     config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0, bias="none",
-                             target_modules=[t for t in targets.split(",") if t], task_type="CAUSAL_LM")
+                             target_modules=[t for t in targets.split(",") if t],
+                             task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. no module of the model matches --lora_targets
@@ -172,11 +184,12 @@ def trainable(model) -> list:
 
 
 class LoraReference:
-    """The KL's reference policy of a LoRA run, sharing the policy's base weights (no second copy of the
-    model). Until the first reset it is the base model: the adapter disabled. A reset (ProRL: the reference
-    becomes the current policy) keeps a frozen copy of the adapter, swapped in for the reference's forward.
-    state_dict / load_state_dict as a model's, so brorl.py resets and checkpoints it alike; load_state_dict
-    takes a full policy's state dict (a reset) or a saved reference (the adapter's tensors, or {})."""
+    """The KL's reference policy of a LoRA run, sharing the policy's base weights (no second copy of
+    the model). Until the first reset it is the base model: the adapter disabled. A reset (ProRL:
+    the reference becomes the current policy) keeps a frozen copy of the adapter, swapped in for the
+    reference's forward. state_dict / load_state_dict as a model's, so brorl.py resets and
+    checkpoints it alike; load_state_dict takes a full policy's state dict (a reset) or a saved
+    reference (the adapter's tensors, or {})."""
 
     def __init__(self, model):
         self.model, self.adapter = model, {}  # {}: the adapter disabled
@@ -206,13 +219,15 @@ class LoraReference:
 
 
 def make_reference(model):
-    """The KL's reference at the start: a frozen copy of the model; with LoRA the base weights, shared."""
-    return LoraReference(model) if is_lora(model) else copy.deepcopy(model).eval().requires_grad_(False)
+    """The KL's reference at the start: a frozen copy of the model; with LoRA the base weights,
+    shared."""
+    return (LoraReference(model) if is_lora(model)
+            else copy.deepcopy(model).eval().requires_grad_(False))
 
 
 def as_reference(ref):
-    """The reference as a model to run (a context): the frozen copy itself, or the LoRA policy with the
-    reference's adapter (or none) in place of its own for the duration."""
+    """The reference as a model to run (a context): the frozen copy itself, or the LoRA policy with
+    the reference's adapter (or none) in place of its own for the duration."""
     return ref.policy() if isinstance(ref, LoraReference) else contextlib.nullcontext(ref)
 
 
@@ -221,12 +236,12 @@ def as_reference(ref):
 
 
 def pack_groups(groups: list, dev="cpu") -> dict:
-    """One-group Rollouts (Rollouts.group) -> the update's batch on `dev`: G prompts, left-padded to P,
-    and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2 kept:
-    response_logprobs always makes its two model calls), each row pointing at its prompt (`group`), and
-    `lengths` (G, n), each row's valid tokens, float64 on the CPU: these groups', which brorl.rl_step
-    replaces with all ranks' (the normalisers' counts); groups of unequal n: R = sum n_j rows and
-    `lengths` a list of G tensors (n_j,). No groups: an empty batch."""
+    """One-group Rollouts (Rollouts.group) -> the update's batch on `dev`: G prompts, left-padded to
+    P, and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2
+    kept: response_logprobs always makes its two model calls), each row pointing at its prompt
+    (`group`), and `lengths` (G, n), each row's valid tokens, float64 on the CPU: these groups',
+    which brorl.rl_step replaces with all ranks' (the normalisers' counts); groups of unequal n: R =
+    sum n_j rows and `lengths` a list of G tensors (n_j,). No groups: an empty batch."""
     G = len(groups)
     P = max((len(x.prompt_ids[0]) for x in groups), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
@@ -235,24 +250,30 @@ def pack_groups(groups: list, dev="cpu") -> dict:
         ids = x.prompt_ids[0]
         prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
     empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
-    cat = lambda field: torch.cat([getattr(x, field) for x in groups] or [torch.zeros(0, 1, dtype=empty[field])])  # (R, T_max)
+    # (R, T_max)
+    cat = lambda field: torch.cat([getattr(x, field) for x in groups]
+                                  or [torch.zeros(0, 1, dtype=empty[field])])
     mask = cat("mask")
     T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
-    rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)  # (R, T), one padding column if T_max = 1
-    group = torch.arange(G).repeat_interleave(torch.tensor([x.n for x in groups], dtype=torch.long))  # (R,)
+    # (R, T), one padding column if T_max = 1
+    rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)
+    # (R,)
+    group = torch.arange(G).repeat_interleave(torch.tensor([x.n for x in groups], dtype=torch.long))
     lengths = mask.sum(1).double()  # (R,) valid tokens per row
     # (G, n); groups of unequal n (--alloc adaptive): a list of G tensors (n_j,)
     lengths = (lengths.reshape(G, groups[0].n if groups else 0) if len({x.n for x in groups}) <= 1
                else list(lengths.split([x.n for x in groups])))
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens"), resp_mask=rows("mask"),
-                group=group.to(dev), sampler_logp=rows("logp"), sampler_entropy=rows("entropy"),
-                lengths=lengths)
+    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=rows("tokens"),
+                resp_mask=rows("mask"), group=group.to(dev), sampler_logp=rows("logp"),
+                sampler_entropy=rows("entropy"), lengths=lengths)
 
 
 # One empty row (a 1-token prompt, 2 padding response tokens): what a rank computes, with no effect,
 # when it holds no row of a micro-batch that other ranks hold rows of (response_logprobs)
-IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long), prompt_mask=torch.ones(1, 1, dtype=torch.bool),
-                  resp=torch.zeros(1, 2, dtype=torch.long), resp_mask=torch.zeros(1, 2, dtype=torch.bool),
+IDLE_BATCH = dict(prompt=torch.zeros(1, 1, dtype=torch.long),
+                  prompt_mask=torch.ones(1, 1, dtype=torch.bool),
+                  resp=torch.zeros(1, 2, dtype=torch.long),
+                  resp_mask=torch.zeros(1, 2, dtype=torch.bool),
                   group=torch.zeros(1, dtype=torch.long))
 
 
@@ -267,16 +288,21 @@ def response_logprobs(model, batch, rows, temperature, with_entropy=False):
         # calls to the model as any micro-batch, so that every rank joins each of FSDP's collectives
         dev = batch["resp"].device
         idle = response_logprobs(model, {k: v.to(dev) for k, v in IDLE_BATCH.items()},
-                                 torch.zeros(1, dtype=torch.long, device=dev), temperature)  # (1, 2)
-        out = batch["sampler_logp"][:0] + 0.0 * idle.sum()  # (0, T), in the graph: backward joins too
+                                 # (1, 2)
+                                 torch.zeros(1, dtype=torch.long, device=dev), temperature)
+        # (0, T), in the graph: backward joins too
+        out = batch["sampler_logp"][:0] + 0.0 * idle.sum()
         return (out, out) if with_entropy else out
-    # K > 1: the whole pass is one forward of the sharded model (distributed.in_forward), so that FSDP
-    # gathers the root's parameters (embeddings, final norm, head) for all of it, head included
-    return distributed.in_forward(model, lambda: logprobs_pass(model, batch, rows, temperature, with_entropy))
+    # K > 1: the whole pass is one forward of the sharded model (distributed.in_forward), so that
+    # FSDP gathers the root's parameters (embeddings, final norm, head) for all of it, head included
+    return distributed.in_forward(model,
+                                  lambda: logprobs_pass(model, batch, rows, temperature,
+                                                        with_entropy))
 
 
 def logprobs_pass(model, batch, rows, temperature, with_entropy):
-    """response_logprobs' forward: the prompts once, then the responses against their prompt's keys."""
+    """response_logprobs' forward: the prompts once, then the responses against their prompt's
+    keys."""
     head = plain_head(model)
     net = model.get_decoder() if head is not None else model  # hidden states, or logits
     states = lambda out: out.last_hidden_state if head is not None else out.logits
@@ -284,13 +310,15 @@ def logprobs_pass(model, batch, rows, temperature, with_entropy):
     groups, row_group = batch["group"][rows].unique(return_inverse=True)  # (g,), (r,)
     pm = batch["prompt_mask"][groups]  # (g, P)
     resp, mask = batch["resp"][rows], batch["resp_mask"][rows]  # (r, T)
-    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)  # trim trailing padding, keep 2
+    # trim trailing padding, keep 2
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
     # 1. each prompt once; its last position predicts response token 0. Prompts are left-padded: a
     # padding position attends to itself (its output is never used), as a row with no key at all
     # gives NaN in some CUDA attention kernels
     g, P = pm.shape
     eye = torch.eye(P, dtype=torch.bool, device=pm.device)  # (P, P)
-    prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye  # (g, P, P): causal over real keys, + itself
+    # (g, P, P): causal over real keys, + itself
+    prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye
     cache = ReplayCache(model.config)
     first = states(net(batch["prompt"][groups], attention_mask=prompt_attn[:, None],
                        position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
@@ -298,17 +326,23 @@ def logprobs_pass(model, batch, rows, temperature, with_entropy):
     # index_select, not x[row_group]: its backward (index_add_) is deterministic on a CPU, while
     # indexing's (index_put_ with accumulate) adds the N rows' gradients in a racy order
     x = first.index_select(0, row_group)  # (r, 1, H or V)
-    # 2. response tokens 0..T-2 predict tokens 1..T-1 (T >= 2: always two calls to the model, as FSDP
-    # needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
-    row_cache = ReplayCache(model.config, [(layer.keys.index_select(0, row_group), layer.values.index_select(0, row_group))
-                                           for layer in cache.layers])  # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
+    # 2. response tokens 0..T-2 predict tokens 1..T-1 (T >= 2: always two calls to the model, as
+    # FSDP needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
+    row_cache = ReplayCache(model.config,
+                            [(layer.keys.index_select(0, row_group),
+                              layer.values.index_select(0, row_group))
+                                           # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
+                                           for layer in cache.layers])
     r = len(rows)
-    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()  # (T-1, T-1): every row sees itself
-    attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)  # (r, T-1, P+T-1)
+    # (T-1, T-1): every row sees itself
+    causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()
+    # (r, T-1, P+T-1)
+    attn = torch.cat([pm[row_group, None, :].expand(r, T - 1, P), causal.expand(r, -1, -1)], -1)
     pos = pm.sum(1)[row_group, None] + torch.arange(T - 1, device=pm.device)  # (r, T-1)
     rest = states(net(resp[:, : T - 1], attention_mask=attn[:, None], position_ids=pos,
                       **{cache_kwarg(net): row_cache}))  # (r, T-1, H or V)
-    x = torch.cat([x, rest], 1)  # (r, T, H or V): hidden states are small, logits only without a plain head
+    # (r, T, H or V): hidden states are small, logits only without a plain head
+    x = torch.cat([x, rest], 1)
     targets = resp[:, :T].masked_fill(~mask[:, :T], -100)  # (r, T)
     if head is not None:
         out = linear_logprobs(x, head, targets, temperature, with_entropy=with_entropy)
@@ -328,15 +362,18 @@ def uses_sampler_logp(cfg, model) -> bool:
 
 
 def old_logprobs(model, ref_model, batch, chunks, cfg, dev):
-    """Before an update, over this rank's rows (chunks: its micro-batches on `dev`): the old policy's
-    log-probs and entropies (r, T), the sampler's (uses_sampler_logp: the same weights, no update yet)
-    or a trainer forward's (the paper's setup: sampler and trainer numerics differ), and the KL
-    reference's log-probs (r, T) (with LoRA: the policy with the reference's adapter), or None."""
+    """Before an update, over this rank's rows (chunks: its micro-batches on `dev`): the old
+    policy's log-probs and entropies (r, T), the sampler's (uses_sampler_logp: the same weights, no
+    update yet) or a trainer forward's (the paper's setup: sampler and trainer numerics differ), and
+    the KL reference's log-probs (r, T) (with LoRA: the policy with the reference's adapter), or
+    None."""
     with torch.no_grad(), autocast(cfg, dev):
         if uses_sampler_logp(cfg, model):
             old_logp, ent = batch["sampler_logp"], batch["sampler_entropy"]  # (r, T) each
         else:
-            old_logp, ent = (torch.cat(x) for x in zip(*[response_logprobs(model, batch, rows, cfg.temperature, True)
+            old_logp, ent = (torch.cat(x)
+                             for x in zip(*[response_logprobs(model, batch, rows,
+                                                              cfg.temperature, True)
                                                           for rows in chunks]))  # (r, T) each
         with as_reference(ref_model) as ref:
             ref_logp = torch.cat([response_logprobs(ref, batch, rows, cfg.temperature)
@@ -345,6 +382,6 @@ def old_logprobs(model, ref_model, batch, chunks, cfg, dev):
 
 
 def clip_gradients(model, max_norm: float) -> float:
-    """Clip the global gradient norm to max_norm; return the norm before clipping, over every process's
-    shards (FSDP's gradients are DTensors: their norm is gathered whole)."""
+    """Clip the global gradient norm to max_norm; return the norm before clipping, over every
+    process's shards (FSDP's gradients are DTensors: their norm is gathered whole)."""
     return distributed.full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)).item()

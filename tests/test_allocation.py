@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import brorl
-from lib import allocation, distributed, policy
+from lib import allocation, distributed, policy, steplog
 from test_brorl import SMALL
 
 
@@ -182,10 +182,10 @@ def test_step_metrics_of_unequal_groups_and_of_one_n():
     unequal groups: rewards over rollouts, pass@N and zero_adv_frac over groups."""
     r = torch.tensor([[1.0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
     stats = dict(groups_survived=1, groups_generated=3, groups_kept=1, rounds=1, tokens=24)
-    one = brorl.step_metrics({**stats, "rewards": [r]}, 1.0, 1.0, {})
-    rows = brorl.step_metrics({**stats, "rewards": [x[None] for x in r]}, 1.0, 1.0, {})
+    one = steplog.step_metrics({**stats, "rewards": [r]}, 1.0, 1.0, {})
+    rows = steplog.step_metrics({**stats, "rewards": [x[None] for x in r]}, 1.0, 1.0, {})
     assert one == rows
-    ragged = brorl.step_metrics({**stats, "rewards": [torch.tensor([[1.0, 0]]), torch.zeros(1, 6)]},
+    ragged = steplog.step_metrics({**stats, "rewards": [torch.tensor([[1.0, 0]]), torch.zeros(1, 6)]},
                                 1.0, 1.0, {})
     assert ragged["samples"] == 8 and ragged["reward_mean"] == 1 / 8
     assert ragged["pass@N"] == 0.5 and ragged["zero_adv_frac"] == 0.5

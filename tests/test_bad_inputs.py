@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import harness
+from lib import checkpoint, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -175,7 +175,7 @@ def test_one_process_holds_a_run_directory_and_a_stale_lock_is_reclaimed(tmp_pat
     writes anything. Once that process is killed its lock is stale: the next run reclaims it, with a line."""
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from lib.harness import RunLock; "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from lib.rundir import RunLock; "
          "out = Path(sys.argv[1]); out.mkdir(); RunLock(out, print).take(); print('held', flush=True); sys.stdin.read()",
          str(out)], cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -202,16 +202,16 @@ def test_a_crash_between_the_checkpoints_two_renames_then_resume_is_the_uninterr
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--steps", "3", "--eval_every", "1", "--kl_coef", "1e-3", "--ref_reset_every", "2", "--device", "cpu", *TINY]
     rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
-    replace = harness.os.replace
+    replace = checkpoint.os.replace
 
     def crash_in_the_swap(src, dst):
         if Path(src).name == "ckpt.tmp" and (Path(dst).parent / "ckpt.old").exists():
             raise Crash
         replace(src, dst)
-    monkeypatch.setattr(harness.os, "replace", crash_in_the_swap)
+    monkeypatch.setattr(checkpoint.os, "replace", crash_in_the_swap)
     with pytest.raises(Crash):  # the second checkpoint (step 2) is the first with a previous one to swap out
         brorl.train(brorl.parse_config([*common, "--out", str(b)]))
-    monkeypatch.setattr(harness.os, "replace", replace)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
     assert not (b / "ckpt").exists() and {"ckpt.old", "ckpt.tmp"} <= set(p.name for p in b.iterdir())
     capsys.readouterr()
     rows_b = brorl.train(brorl.parse_config(["--resume", str(b), "--steps", "3"]))
@@ -275,7 +275,7 @@ def test_repeated_rows_are_dropped_with_a_count(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     rows = [dict(problem=f"{i}?", answer=str(i)) for i in (1, 2, 2, 3, 1, 1)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = harness.load_data(brorl.Config(), "--task", f"math:{path}", "all", 0)
+    got = setup.load_data(brorl.Config(), "--task", f"math:{path}", "all", 0)
     assert [r["answer"] for r in got] == ["1", "2", "3"]
     assert f"--task math:{path}: dropped 3 duplicated rows of 6 (all split)" in capsys.readouterr().out
 
@@ -283,9 +283,9 @@ def test_repeated_rows_are_dropped_with_a_count(tmp_path, capsys):
 def test_an_overlapping_eval_task_is_said_when_allowed(capsys):
     train = [dict(prompt=p, answer="1") for p in "abc"]
     held = [dict(prompt=p, answer="1") for p in "bcd"]
-    harness.check_overlap(brorl.Config(eval_task="math:x", eval_overlap=True), train, held)
+    setup.check_overlap(brorl.Config(eval_task="math:x", eval_overlap=True), train, held)
     assert "--eval_task math:x: 2 of its 3 prompts are in --task's training set (allowed by --eval_overlap)" in capsys.readouterr().out
-    harness.check_overlap(brorl.Config(eval_task="math:x"), train, held[2:])  # none shared: nothing to say
+    setup.check_overlap(brorl.Config(eval_task="math:x"), train, held[2:])  # none shared: nothing to say
     assert capsys.readouterr().out == ""
 
 
@@ -488,9 +488,9 @@ def test_every_failure_of_a_checkpoint_is_one_line_and_keeps_the_last(run, capsy
                                                                        needle):
     before = snapshot(run / "ckpt")
     if how == "ckpt":
-        monkeypatch.setattr(harness.os, "replace", refuse("ckpt", errno.EPERM))
+        monkeypatch.setattr(checkpoint.os, "replace", refuse("ckpt", errno.EPERM))
     elif how == "ckpt.tmp":  # the second rename: the previous checkpoint is put back
-        monkeypatch.setattr(harness.os, "replace", refuse("ckpt.tmp", errno.EACCES))
+        monkeypatch.setattr(checkpoint.os, "replace", refuse("ckpt.tmp", errno.EACCES))
     elif how == "torch.save":  # a file system turned read-only under the run
         def read_only(*args, **kwargs):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import brorl
-from lib import config, harness
+from lib import config, setup
 import data
 from test_brorl import SMALL, run_in_process
 
@@ -88,7 +88,7 @@ def test_init_from_starts_a_new_run_on_the_checkpoints_weights(tmp_path):
 def test_eval_set_is_drawn_by_eval_seed_alone():
     """Runs of every --seed score the same held-out problems (--eval_seed); a seed-0 run's are those
     that --seed 0 drew before --eval_seed existed."""
-    draw = lambda *a: [e["prompt"] for e in harness.setup(brorl.parse_config([*a, "--eval_prompts", "8"]),
+    draw = lambda *a: [e["prompt"] for e in setup.setup(brorl.parse_config([*a, "--eval_prompts", "8"]),
                                                          str(data.EMBEDDED_MODEL), "--model", with_train_set=False)[3]]
     before = [e["prompt"] for e in random.Random(1).sample(data.load_task("arith", "test", seed=0), 8)]
     assert draw("--seed", "0") == draw("--seed", "1") == before

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "docs/results"  # the results book: one page a question, an index, an archive
 DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
-MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "massbalance", "bench", "objectives",
-           "policy", "config")
+MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
+           "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -304,7 +304,7 @@ def shape(line: str) -> str:
 
 
 class AnyMetrics(dict):
-    """A metrics dict that has every key (value 1), so harness.log_line prints all of its fields;
+    """A metrics dict that has every key (value 1), so steplog.log_line prints all of its fields;
     but --alloc adaptive's (alloc_*): the README's example is a run of the default, uniform rule."""
 
     def __getitem__(self, key):
@@ -330,9 +330,9 @@ def readme_log_line(root: Path) -> str:
 def log_line_problems(root: Path) -> list:
     problems = []
     line = readme_log_line(root)
-    want = import_module("harness").log_line(AnyMetrics())
+    want = import_module("steplog").log_line(AnyMetrics())
     if shape(line) != shape(want):
-        problems.append(f"README.md's example log line is not harness.log_line's format:\n"
+        problems.append(f"README.md's example log line is not steplog.log_line's format:\n"
                         f"  README: {line}\n  code:   {want}")
     # the example comes from a recorded run: its results page names it, with its eval numbers on one
     # line (pass@1, pass@k, the probe's Q) and its exact Q on the page
@@ -547,7 +547,7 @@ def test_checks_catch_a_stale_log_line(tmp_path):
     readme = root / "README.md"
     line = readme_log_line(root)
     readme.write_text(readme.read_text().replace(line, line.replace(" | keep ", " | keep 1.00 | kept ")))
-    assert "not harness.log_line's format" in log_line_problems(root)[0]
+    assert "not steplog.log_line's format" in log_line_problems(root)[0]
     readme.write_text(readme.read_text().replace(line.replace(" | keep ", " | keep 1.00 | kept "),
                                                  line.replace(" Q 0.", " Q 1.")))
     assert "is not the run recorded in docs/results/default-run.md" in log_line_problems(root)[0]
@@ -570,10 +570,10 @@ def readme_legend() -> dict:
 
 
 def test_readme_legend_explains_every_field_of_the_step_line():
-    """Every field of harness.log_line has a legend row naming the metrics.jsonl key that log_line
+    """Every field of steplog.log_line has a legend row naming the metrics.jsonl key that log_line
     prints for it; the shares say so; a field the legend calls 0 in fp32 is 0 in the example."""
     import inspect
-    line, legend = import_module("harness").log_line(AnyMetrics()), readme_legend()
+    line, legend = import_module("steplog").log_line(AnyMetrics()), readme_legend()
     fields = []
     for segment in line.split(" | "):  # a segment: labels, each followed by its number
         label = []
@@ -586,7 +586,7 @@ def test_readme_legend_explains_every_field_of_the_step_line():
         fields += [" ".join(label)] if label else []
     fields = [f.replace("|r-1|", "\\|r-1\\|") for f in fields if f not in ("", "step")]
     assert set(fields) <= set(legend), (fields, sorted(legend))
-    source = inspect.getsource(import_module("harness").log_line)
+    source = inspect.getsource(import_module("steplog").log_line)
     for text in legend.values():
         assert all(key in source for key in re.findall(r"`(\w+(?:@\w+)?)`", text.split("|")[0])
                    if key.islower() and "_" in key or "@" in key), text
@@ -600,7 +600,7 @@ def test_readme_legend_explains_every_field_of_the_step_line():
 def test_probe_q_and_exact_q_are_named_apart():
     """The log line, the README and every page call the sampled mass the probe's Q and the computed
     one the exact Q; no text calls mass_mean anything but the probe's."""
-    line = import_module("harness").log_line(AnyMetrics())
+    line = import_module("steplog").log_line(AnyMetrics())
     assert " probe Q " in line and " exact Q " in line and " | Q " not in line
     legend = readme_legend()
     assert "sampled" in legend["probe Q"] and "computed" in legend["exact Q"]
@@ -680,9 +680,12 @@ def test_results_book_pages_open_with_answer_command_commit_machine():
 
 # The files a learner reads, and the machinery beside them, held to 100 columns (STYLE.md, rule 1).
 # brorl.py and the rest of lib/ join the list once their lines are wrapped.
-NARROW_FILES = ["sampler.py", "kernels.py", "verify.py", "data.py", "lib/answers.py",
+NARROW_FILES = ["brorl.py", "sampler.py", "kernels.py", "verify.py", "data.py", "lib/answers.py",
                 "lib/balance.py", "lib/mass.py", "lib/objectives.py", "lib/report.py",
-                "lib/samples.py", "lib/tasks.py"]
+                "lib/samples.py", "lib/tasks.py", "lib/config.py", "lib/policy.py",
+                "lib/distributed.py", "lib/planner.py", "lib/allocation.py", "lib/harness.py",
+                "lib/setup.py", "lib/rundir.py", "lib/checkpoint.py", "lib/steplog.py",
+                "lib/evalonly.py"]
 
 
 def test_the_files_a_learner_reads_fit_100_columns():

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import brorl
-from lib import harness
+from lib import evalonly, setup
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/running.md")
@@ -55,12 +55,12 @@ def local_source(task: str) -> str:
 
 
 def scored_prompts(cfg) -> tuple:
-    """(prompts an --eval_only run scores, rows of the benchmark it names), as harness.setup draws them."""
+    """(prompts an --eval_only run scores, rows of the benchmark it names), as setup.setup draws them."""
     cfg = dataclasses.replace(cfg, task=local_source(cfg.task), eval_task=local_source(cfg.eval_task))
     bench = cfg.eval_task or cfg.task
-    held_out = (harness.load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
-                else harness.load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
-    rows = harness.load_data(cfg, "--task", bench, "all", cfg.eval_seed)
+    held_out = (setup.load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else setup.load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    rows = setup.load_data(cfg, "--task", bench, "all", cfg.eval_seed)
     return min(cfg.eval_prompts, len(held_out)), len(rows)
 
 
@@ -76,7 +76,7 @@ def dry_brorl(args: list, tmp_path: Path):
     if Path(cfg.model).is_dir():  # a shipped model: run it, tiny
         tiny = ["--eval_prompts", "2", "--eval_samples", "2", "--out", str(tmp_path / "eval")]
         tiny += ["--mass_prompts", "4"] if cfg.mass_prompts else []
-        harness.eval_only(brorl.parse_config(args + tiny), brorl.evaluate)
+        evalonly.eval_only(brorl.parse_config(args + tiny), brorl.evaluate)
         assert (tmp_path / "eval" / "eval.json").is_file()
 
 

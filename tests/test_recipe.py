@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import config, harness, policy
+from lib import config, policy, setup
 import data
 import sampler
 import verify
@@ -144,14 +144,14 @@ def test_the_real_math_verify_accepts_what_the_rules_cannot():
 
 def test_verifier_flag_defaults_to_the_papers_when_installed(fake_math_verify):
     math_task = f"math:{data.MATH_SAMPLE}"
-    assert harness.pick_verifier(brorl.Config(task=math_task)) == "both"
-    assert harness.pick_verifier(brorl.Config(task=math_task, verifier="math_verify")) == "math_verify"
-    assert harness.pick_verifier(brorl.Config(task="arith", verifier="both")) == "rules"  # arith: its own rule
+    assert setup.pick_verifier(brorl.Config(task=math_task)) == "both"
+    assert setup.pick_verifier(brorl.Config(task=math_task, verifier="math_verify")) == "math_verify"
+    assert setup.pick_verifier(brorl.Config(task="arith", verifier="both")) == "rules"  # arith: its own rule
 
 
 def test_verifier_flag_without_math_verify(no_math_verify, tmp_path, capsys):
     math_task = f"math:{data.MATH_SAMPLE}"
-    assert harness.pick_verifier(brorl.Config(task=math_task)) == "rules"
+    assert setup.pick_verifier(brorl.Config(task=math_task)) == "rules"
     out = tmp_path / "run"
     code, err = run_in_process(capsys, "--task", math_task, "--verifier", "both", "--out", str(out))
     assert code == 2 and err.strip() == "error: --verifier both: needs the math-verify package (pip install math-verify)"
@@ -241,7 +241,7 @@ def test_model_revision_is_split_from_a_hub_id(tmp_path):
 
 def test_paper_plan_runs_offline_from_a_config_only_model(tmp_path, capsys):
     model = paper_shaped_model(tmp_path)
-    harness.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
+    setup.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
                                      "--memory_gb", "72", "--dtype", "bfloat16", "--plan"]))
     out = capsys.readouterr().out
     assert "memory plan per rank (1 process(es)" in out and "time per step on one H100" in out  # one GPU

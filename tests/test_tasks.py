@@ -16,7 +16,7 @@ import pytest
 import brorl
 import data
 import sampler
-from lib import harness, tasks
+from lib import evalonly, setup, tasks
 import verify
 
 GSM8K = [  # GSM8K's own schema: a worked answer ending in "#### <number>"
@@ -182,7 +182,7 @@ def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
     exactly the metrics a training run logs at step 0 with the same seed and settings."""
     common = ["--task", f"gsm8k:{gsm8k_file}", "--eval_task", f"gsm8k:{gsm8k_file}", "--seed", "3", "--eval_overlap", "1", *TINY]
     rows = brorl.train(brorl.parse_config([*common, "--steps", "0", "--out", str(tmp_path / "run"), "--save", "false"]))
-    report = harness.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]), brorl.evaluate)
+    report = evalonly.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]), brorl.evaluate)
     b = report["benchmarks"][f"gsm8k:{gsm8k_file}"]
     step0 = rows[0]
     assert b["pass@k"] == {k: step0[f"eval_pass@{k}"] for k in b["pass@k"]}
@@ -277,6 +277,6 @@ def test_without_datasets_a_parquet_file_or_hub_dataset_says_what_to_install(mon
             tasks.load(f"math:{source}")
         assert str(e.value).startswith(source) and "\n" not in str(e.value)
     with pytest.raises(SystemExit):
-        harness.load_data(brorl.Config(), "--task", f"math:{path}", "train", 0)
+        setup.load_data(brorl.Config(), "--task", f"math:{path}", "train", 0)
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --task math:{path}: ") and "pip install datasets" in err and "\n" not in err

@@ -60,7 +60,7 @@ import brorl
 import data
 from lib.config import OneLineParser
 import sampler
-from lib import harness
+from lib import setup
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: children run as `python -m tools.bench`
 
@@ -219,7 +219,7 @@ def step_child(args):
     B = len(examples)
     cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
                        dynamic_sampling=False, micro_batch=args.micro_batch, max_rows=max(4096, B * args.n))
-    cfg = dataclasses.replace(cfg, verifier=harness.pick_verifier(cfg))  # as a run resolves --verifier auto
+    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))  # as a run resolves --verifier auto
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
     rows = []

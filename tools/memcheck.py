@@ -24,7 +24,7 @@ import torch
 import brorl
 import data
 import sampler
-from lib import distributed, harness, planner, policy
+from lib import distributed, planner, policy, setup
 
 
 def existing_bytes(model, ref_model, opt) -> int:
@@ -59,7 +59,7 @@ def check(cfg) -> dict:
     if cfg.grad_ckpt:
         policy.enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
-    cfg = dataclasses.replace(cfg, verifier=harness.pick_verifier(cfg))
+    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
     prompt_tokens = max(len(sampler.encode_prompt(tok, e["prompt"]))
                         for e in random.Random(cfg.seed).sample(train_set, min(256, len(train_set))))
     est = planner.peaks(planner.plan(model.config, cfg, prompt_tokens))

@@ -1,0 +1,91 @@
+"""
+evalonly.py: --eval_only, the held-out evaluation of --model drawn exactly as a run's step-0
+evaluation, written as <out>/eval.json and printed as a table. Nothing is trained.
+"""
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from lib import distributed, mass
+from lib.policy import autocast
+from lib.rundir import make_run_dir, write_atomic
+from lib.setup import eval_generator, setup, stop_on_ctrl_c
+
+
+def eval_only(cfg, evaluate) -> dict:
+    """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly
+    as a run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference,
+    nothing written but eval.json. With K processes each samples its share of the prompts and rank 0
+    writes."""
+    stop_on_ctrl_c("interrupted: no eval.json written")
+    cfg, device, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
+    out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
+    t0 = time.perf_counter()
+    with torch.no_grad(), autocast(cfg, device):
+        m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
+        # the testbed's zones
+        m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, eval_set), cfg))
+    report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set),
+                         time.perf_counter() - t0)
+    if distributed.is_main():
+        write_eval(out / "eval.json", report)
+        print(eval_table(report))
+        if "mass_exact_mean" in m:
+            print(f"exact correct mass at T = {cfg.temperature} (lib/mass.py), "
+                  f"{len(m['mass_exact_log10'])} prompts: mean Q "
+                  f"{m['mass_exact_mean']:.4g}, median log10 Q {m['mass_exact_log10_median']:.2f}; "
+                  f"Q >= 1/{cfg.gate_small_n}: "
+                  f"{m['mass_exact_high']}, gate: {m['mass_exact_gate']}, Q < "
+                  f"1/{cfg.gate_large_n}: {m['mass_exact_low']}")
+        lock.release()
+    stop_on_ctrl_c("")
+    distributed.teardown()
+    return report
+
+
+def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
+    """The eval.json of --eval_only. metrics: {benchmark: evaluate()'s dict}; the report keeps, per
+    benchmark, the prompts and samples it rests on, pass@k by k, greedy pass@1, the sampled
+    responses' mean length (tokens) and the share that hit the length cap."""
+    benchmarks = {}
+    for name, m in metrics.items():
+        ks = sorted(int(k[len("eval_pass@"):]) for k in m if re.fullmatch(r"eval_pass@[0-9]+", k))
+        benchmarks[name] = {"prompts": prompts, "samples": cfg.eval_samples,
+                            "pass@k": {str(k): m[f"eval_pass@{k}"] for k in ks},
+                            "greedy_pass@1": m["eval_greedy_pass@1"],
+                            "mean_response_tokens": m["eval_resp_len"],
+                            "truncation_rate": m["eval_truncated"]}
+        if "mass_exact_mean" in m:  # lib/mass.py: per prompt, and its summary
+            benchmarks[name]["exact_mass"] = {k[len("mass_exact_"):]: v for k, v in m.items()
+                                              if k.startswith("mass_exact_")}
+    sampling = dict(temperature=0.6, top_p=0.95, samples=cfg.eval_samples,
+                    max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, seed=cfg.seed)
+    return dict(model=cfg.model, sampling=sampling, seconds=round(seconds, 2),
+                benchmarks=benchmarks, config=dataclasses.asdict(cfg))
+
+
+def write_eval(path: Path, report: dict):
+    write_atomic(path, json.dumps(report, indent=1) + "\n")
+
+
+def eval_table(report: dict) -> str:
+    """One row per benchmark: pass@k for every k, greedy, mean response length, truncation rate."""
+    ks = sorted({int(k) for b in report["benchmarks"].values() for k in b["pass@k"]})
+    s = report["sampling"]
+    head = (f"{report['model']}: pass@k of {s['samples']} samples at T={s['temperature']}, "
+            f"top_p={s['top_p']}, "
+            f"<= {s['max_new_tokens']} new tokens; greedy; {report['seconds']:.1f}s")
+    cols = ["benchmark", "prompts", *[f"pass@{k}" for k in ks], "greedy", "len", "trunc"]
+    rows = [[name, str(b["prompts"]), *[f"{b['pass@k'].get(str(k), float('nan')):.3f}" for k in ks],
+             f"{b['greedy_pass@1']:.3f}", f"{b['mean_response_tokens']:.1f}",
+             f"{b['truncation_rate']:.3f}"]
+            for name, b in report["benchmarks"].items()]
+    width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i,
+                               (c, w) in enumerate(zip(r, width)))
+    return "\n".join([head, line(cols), *map(line, rows)])

@@ -1,0 +1,230 @@
+"""
+rundir.py: a run's directory, <out>/: made and locked for the run's life (a second run there is
+refused, a crashed one's lock reclaimed), and the files written into it whole or not at all:
+config.json, config_history.jsonl (what a --resume changed), metrics.jsonl (one row per step). A
+full disk or a refused write stops the run with one line saying what is kept.
+"""
+
+import atexit
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lib import distributed
+from lib.config import fail, held_run, surviving_checkpoint
+
+
+class RunLock:
+    """<out>/.lock, flock()ed for a run's life: a second process on the same --out is refused. The
+    kernel drops the lock when its process ends, however it ends; the file then left behind (a kill,
+    a crash) names a process that is gone, and the next run there reclaims it with a line. A run
+    that finishes, or exits on an error, removes the file. `held`: the locks this process holds, by
+    directory (one process may start several runs: tests; a run that ended on an exception never
+    released its own)."""
+    held = {}
+
+    def __init__(self, out: Path, say):
+        self.path = out.resolve() / ".lock"  # (one directory, however spelled)
+        if self.path in RunLock.held:  # an earlier run of this process that never finished
+            RunLock.held.pop(self.path).release()
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(self.fd, 64).decode(errors="replace").strip() or "?"
+                os.close(self.fd)
+                fail(f"--out {out}: another run (pid {holder}) is using it; wait for it to end, or "
+                     f"give another --out")
+            if self.same_file():
+                break
+            os.close(self.fd)  # its holder removed the file as we locked it: lock the new one
+        self.previous = os.read(self.fd, 64).decode(errors="replace").strip()  # a gone holder's pid
+        self.say, self.out = say, out
+        RunLock.held[self.path] = self
+
+    def same_file(self) -> bool:
+        try:
+            return os.fstat(self.fd).st_ino == os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False
+
+    def take(self):
+        """Write this process's pid into the lock (after the checks: a refused run changes
+        nothing)."""
+        if self.previous:
+            self.say(f"--out {self.out}: reclaimed the lock of pid {self.previous}, which is gone "
+                     f"(a run killed or crashed)")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        self.previous = ""
+
+    def release(self):
+        """Remove the lock file (unless it held a gone run's pid that we never replaced) and
+        unlock."""
+        if self.fd is None:
+            return
+        if not self.previous and self.same_file():
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+        RunLock.held.pop(self.path, None)
+
+
+@atexit.register
+def release_locks():
+    """A run that exits on an error (fail(), Ctrl-C) leaves no lock file behind."""
+    for lock in list(RunLock.held.values()):
+        lock.release()
+
+
+def make_run_dir(cfg, resume_from=None, fresh=True) -> tuple:
+    """(--out, its RunLock): made and locked by rank 0 (every rank gets its name; the default one
+    holds rank 0's time). Under the lock, checked again: a new run (`fresh`) needs a directory that
+    holds no run, a --resume the checkpoint it loaded from (`resume_from`), which is put back in
+    place as ckpt/ if a crash inside its save left it as ckpt.tmp or ckpt.old."""
+    if not distributed.is_main():
+        return Path(distributed.broadcast(None)), None
+    out = Path(cfg.out or f"runs/{cfg.task.split(':')[0]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    say = tqdm.write
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(out, say)
+    except OSError as e:
+        fail(f"--out {out}: cannot write there ({e.strerror})")
+    # a run that ended since parse_config looked
+    if fresh and not resume_from and (held := held_run(out)):
+        lock.release()
+        fail(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume {out}, or "
+             f"give another --out")
+    if resume_from:
+        if surviving_checkpoint(out) != resume_from:
+            lock.release()
+            fail(f"--resume {out}: its checkpoint changed while it was loading (another run?); run "
+                 f"the command again")
+        put_back_checkpoint(out, resume_from, say)
+    lock.take()
+    return Path(distributed.broadcast(str(out))), lock
+
+
+def put_back_checkpoint(out: Path, ckpt: Path, say):
+    """ckpt.tmp or ckpt.old (surviving_checkpoint's choice, after a crash between the save's two
+    renames) renamed to ckpt/, the other removed: what the save would have done."""
+    if ckpt.name == "ckpt":
+        return
+    os.replace(ckpt, out / "ckpt")
+    for other in ("ckpt.tmp", "ckpt.old"):
+        shutil.rmtree(out / other, ignore_errors=True)
+    say(f"--resume {out}: no ckpt/ (a crash inside its save); took the whole {ckpt.name}/ as ckpt/")
+
+
+# ----------------------------------------------------------------------------
+# Files written whole: config.json, config_history.jsonl, metrics.jsonl
+
+
+def write_atomic(path: Path, text: str):
+    """path holding text, whole or not at all (a crash leaves the old file, never half of the
+    new)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def record_changes(out: Path, step: int, cfg):
+    """A resumed run's config against the one it ran with (its config.json, which this segment's
+    then replaces): each field changed, or absent before (a field newer than the run), appended as a
+    line of <out>/config_history.jsonl, {"step": the checkpoint's step, "was": ..., "now": ...,
+    "absent": [...]}: the directory keeps what ran when. Nothing changed: nothing written."""
+    try:
+        before = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):  # (parse_config read it whole; a file gone since: all is new)
+        before = {}
+    now = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("resume", "out")}
+    changed = [k for k, v in now.items() if k not in before or before[k] != v]
+    if not changed:
+        return
+    entry = dict(step=step, was={k: before[k] for k in changed if k in before},
+                 now={k: now[k] for k in changed}, absent=[k for k in changed if k not in before])
+    with no_space_is_one_line(out, "config_history.jsonl was not written; nothing else changed"):
+        with open(out / "config_history.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def open_metrics(out: Path, rows: list):
+    """metrics.jsonl holding exactly `rows` (a resumed run's rows, whole or not at all), open to
+    append."""
+    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    return open(out / "metrics.jsonl", "a")
+
+
+def read_metrics(out: Path, upto: int, say) -> list:
+    """The rows of a run's metrics.jsonl up to step `upto` (rows logged after a checkpoint are
+    redone). A last line cut short (the disk filled, the process was killed as it wrote) is dropped
+    with a line; any other unreadable line stops with one line naming it."""
+    path = out / "metrics.jsonl"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        fail(f"--resume {out}: cannot read {path} ({e.strerror})")
+    rows = [metrics_row(line) for line in lines]
+    if lines and rows[-1] is None:
+        say(f"--resume {out}: dropped the last line of {path}, cut short ({len(lines[-1])} "
+            f"characters)")
+        rows.pop()
+    if None in rows:
+        fail(f"--resume {out}: {path} line {rows.index(None) + 1} is not a metrics row "
+             f"({lines[rows.index(None)][:60]!r})")
+    return [r for r in rows if r["step"] <= upto]
+
+
+def metrics_row(line: str):
+    """One line of metrics.jsonl as its row, or None if it is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+# ----------------------------------------------------------------------------
+# A write that fails: a full disk, a refused permission, said in one line
+
+
+def is_io_error(e: Exception) -> bool:
+    """A failure to write a file, however it surfaces: an OSError (permission, read-only, a full
+    disk, a name in the way), or the message of a writer that wraps one (safetensors' "IoError")."""
+    return isinstance(e, OSError) or is_disk_full(e) or "IoError" in str(e)
+
+
+def is_disk_full(e: Exception) -> bool:
+    """The ways a full disk surfaces: ENOSPC, torch's zip writer ("unexpected pos", "file write
+    failed"), safetensors' ("StorageFull")."""
+    text = str(e)
+    return (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+        s in text for s in ("No space left", "StorageFull", "unexpected pos", "file write failed"))
+
+
+@contextlib.contextmanager
+def no_space_is_one_line(where: Path, what: str):
+    """A full disk while writing into `where` stops the run with one line saying what is kept."""
+    try:
+        yield
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        fail(f"no space left on {where}: {what}")
+
+
+def one_line_reason(e: Exception) -> str:
+    """An error's reason, short: its strerror and the file it names, else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    return (str(e).splitlines() or [type(e).__name__])[0][:160]

@@ -1,0 +1,209 @@
+"""
+setup.py: what a training run and --eval_only share before their first step: seeds, processes and
+device, Ctrl-C's one line, the verifier, the data (its training and held-out splits, each prompt
+checked against the model's context), the fixed eval set, the policy and its tokenizer, and the
+random stream of every evaluation. Also --plan: the memory plan of such a setup, loading no weights.
+"""
+
+import dataclasses
+import random
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+import data
+import verify
+from lib import distributed, planner
+from lib.checkpoint import checkpoint_dir
+from lib.config import fail, surviving_checkpoint
+from lib.policy import load_policy, split_revision
+
+
+def setup(cfg, policy: str, flag: str, with_train_set=True):
+    """What a run and --eval_only share: seeds, device, the data (first: a bad --task fails before
+    anything is written), the fixed eval set, the policy and its tokenizer."""
+    hf_logging.disable_progress_bar()
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
+    # the run records the verifier it used
+    cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
+    if train_set is not None:
+        check_train_size(cfg, train_set)
+    # the held-out problems are drawn by --eval_seed alone (as --seed drew them before it: a seed-0
+    # run's are unchanged), so that runs of different seeds are scored on the same problems, paired
+    # problem by problem
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    if cfg.eval_task and train_set:
+        check_overlap(cfg, train_set, held_out)
+    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/, or one
+        checkpoint_dir(policy, flag)
+    model, tok = load_policy(policy, device, flag)
+    if cfg.system_prompt and not tok.chat_template:
+        fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    eval_new = max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # the eval's and the probe's
+    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
+    held_out, longest = fit_context(cfg, held_out, f"{source}: held-out", eval_new, tok, positions)
+    if train_set is not None:
+        train_set, longest_train = fit_context(cfg, train_set, f"--task {cfg.task}: training",
+                                               cfg.max_new_tokens, tok, positions)
+        check_train_size(cfg, train_set)
+        longest = max(longest, longest_train)
+    eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts,
+                                                                   len(held_out)))
+    if cfg.probe_prompts > len(eval_set):  # the probe: the eval set's first ones
+        if distributed.is_main():
+            tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "
+                       f"prompt(s); the probe is those {len(eval_set)} (config.json says so)")
+        cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
+    if bad := next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None):
+        fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
+    return cfg, device, train_set, eval_set, model, tok, longest
+
+
+def stop_on_ctrl_c(note: str):
+    """Ctrl-C ends the run with one line (`note`: what survives) and exit status 130, no traceback;
+    the crash-safe checkpoint and metrics make any moment safe. An empty note restores Python's
+    handling."""
+    # only the main thread may set a handler
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupted(signum, frame):
+        if distributed.is_main():
+            tqdm.write(note, file=sys.stderr)
+        sys.exit(130)
+    signal.signal(signal.SIGINT, interrupted if note else signal.default_int_handler)
+
+
+def pick_verifier(cfg) -> str:
+    """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is
+    installed."""
+    try:
+        # keys: the integer rule
+        return verify.choose_verifier("arith" if cfg.task == "keys" else cfg.task, cfg.verifier)
+    except ImportError as e:
+        fail(f"--verifier {cfg.verifier}: {e}")
+
+
+def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
+    """Examples of one split of a task; a bad source or an empty split stops with one line."""
+    try:
+        rows = data.load_task(task, split, seed=seed, digits=cfg.digits)
+    except (ValueError, OSError) as e:
+        fail(f"{flag} {task}: {e}")
+    if not rows:
+        fail(f"{flag} {task}: its {split} split is empty"
+             + (" (name a held-out source: --eval_task)" * (split == "test")))
+    # a dataset's repeated rows would weigh twice (arith's problems are distinct by construction)
+    if task != "arith":
+        unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
+        if len(unique) < len(rows) and distributed.is_main():
+            tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of "
+                       f"{len(rows)} ({split} split)")
+        rows = unique
+    return rows
+
+
+def check_train_size(cfg, train_set: list):
+    """A step keeps B groups of B distinct prompts: a training set smaller than B stops, one line
+    (a larger one is drawn from whole, prompts recurring only across rounds: sample_step_groups)."""
+    if len(train_set) < cfg.prompts_per_step:
+        fail(f"--task {cfg.task}: its training set holds {len(train_set)} prompt(s), fewer than "
+             f"--prompts_per_step {cfg.prompts_per_step} (a step trains on B distinct prompts)")
+
+
+def check_overlap(cfg, train_set: list, held_out: list):
+    """An --eval_task that shares prompts with the training set would score trained prompts as
+    held-out ones: said, and refused unless --eval_overlap allows it."""
+    trained = {e["prompt"] for e in train_set}
+    shared = sum(e["prompt"] in trained for e in held_out)
+    if not shared:
+        return
+    line = (f"--eval_task {cfg.eval_task}: {shared} of its {len(held_out)} prompts are in --task's "
+            f"training set")
+    if not cfg.eval_overlap:
+        fail(line + " (its score would not be held out; --eval_overlap 1 allows it)")
+    if distributed.is_main():
+        tqdm.write(line + " (allowed by --eval_overlap)")
+
+
+def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tuple:
+    """(rows, the longest prompt's tokens): every prompt checked, with max_new new tokens, against
+    the model's context (`positions`, its max_position_embeddings; None: unknown, nothing checked).
+    A prompt past it stops with one line naming its row (`where`: the flag, source and split) and
+    its length; --long_prompts drop drops such rows, allow keeps them (rotary positions extend past
+    the config's: the embedded model's 64 and a math prompt), each with a count. The tokenizer's own
+    warning about length is left unsaid: this is the word."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        lengths = planner.prompt_lengths(tok, rows, cfg.system_prompt)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    too_long = [i for i, n in enumerate(lengths) if positions and n + max_new > positions]
+    if too_long and cfg.long_prompts == "refuse":
+        i = too_long[0]
+        fail(f"{where} row {i} ({rows[i]['prompt'][:24]!r}...) is {lengths[i]} tokens: + {max_new} "
+             f"new > the model's {positions} positions, as are {len(too_long) - 1} more "
+             "(--long_prompts drop drops them, allow keeps them)")
+    if too_long and distributed.is_main():
+        tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's "
+                   f"{positions} positions with {max_new} new tokens: "
+                   + ("dropped (--long_prompts drop)" if cfg.long_prompts == "drop" else
+                      "kept (--long_prompts allow)"))
+    if too_long and cfg.long_prompts == "drop":
+        dropped = set(too_long)
+        rows = [r for i, r in enumerate(rows) if i not in dropped]
+        lengths = [n for i, n in enumerate(lengths) if i not in dropped]
+        if not rows:
+            fail(f"{where} every row is longer than the model's {positions} positions with "
+                 f"{max_new} new tokens")
+    return rows, max(lengths, default=0)
+
+
+def eval_generator(device, seed: int, step: int) -> torch.Generator:
+    """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
+    evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
+    draws exactly what a run's evaluation at step 0 draws."""
+    seed63 = random.Random(f"eval-{seed}-{step}").getrandbits(63)
+    return torch.Generator(device=device).manual_seed(seed63)
+
+
+# ----------------------------------------------------------------------------
+# --plan
+
+
+def plan(cfg) -> list:
+    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
+    device, then per rank of 8 (torchrun)."""
+    name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
+    device = distributed.pick_device(cfg.device)
+    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
+    if (Path(name) / "metrics.jsonl").is_file():  # a run directory: its checkpoint, or one line
+        name = str(checkpoint_dir(name, "--model"))
+    name, revision = split_revision(name)
+    try:
+        model_config = AutoConfig.from_pretrained(name, revision=revision)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as e:
+        fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
+    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
+    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
+                                     cfg.max_new_tokens, tok, positions)
+    plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
+                                             report_only=True, prompt_tokens=longest, **k)
+    plan_k()
+    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
+        print()
+        plan_k(world_size=8)
+    return []

@@ -25,6 +25,11 @@ Parts:
            against merged into the weights (peft's merge_adapter), and without an adapter;
            on CUDA in bf16 if available, else this CPU in fp32.
 
+Every speed is also shown as a fraction of this machine's matmul floor, measured at the start of
+the same run (matmul_floor: the best GFLOP/s of a plain torch.mm of the model's MLP shape, at the
+run's threads and dtype): the model FLOPs the speed implies (model_gflop) over that rate. It says
+how much of what the machine's matmuls can do a figure reaches, which a bare tokens/s cannot.
+
 --tiny runs any part (gpu included, on a CPU when there is no GPU) at toy sizes: a check that
 every part still runs (tests/test_bench.py), not a measurement.
 
@@ -75,11 +80,12 @@ ARCHS = {
 }
 SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens): short and long prompts
 # Every part's sizes, full and --tiny: sampler cases; varlen (N, prompt, new); step N values and new
-# tokens; breadth N values, samples per step, prompt, new
+# tokens; breadth N values, samples per step, prompt, new; the rows of the matmul floor's product
+# (between a decode step's 512 rows and an update micro-batch's 64 rows x 32 tokens)
 SIZES = {"full": dict(sampler=SAMPLER_CASES, varlen=(512, 64, 128), step_ns=[64, 512], step_new=32,
-                      breadth_ns=[16, 64, 256, 512], breadth=(2048, 256, 128)),
+                      breadth_ns=[16, 64, 256, 512], breadth=(2048, 256, 128), floor_rows=1024),
          "tiny": dict(sampler=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
-                      breadth_ns=[2, 4], breadth=(8, 8, 4))}
+                      breadth_ns=[2, 4], breadth=(8, 8, 4), floor_rows=64)}
 
 
 class NeverEos:
@@ -105,7 +111,8 @@ def load_tokenizer():
 
 
 def save_bench_model(out: Path, arch: str, dtype, seed: int = 0):
-    """Write a randomly initialised Qwen2, its tokenizer and the step part's prompts to `out`."""
+    """Write a randomly initialised Qwen2, its tokenizer and the step part's prompts to `out`;
+    return its number of parameters."""
     tok = load_tokenizer()
     torch.manual_seed(seed)
     cfg = Qwen2Config(**{"vocab_size": len(tok), **ARCHS[arch]}, pad_token_id=tok.pad_token_id,
@@ -117,6 +124,7 @@ def save_bench_model(out: Path, arch: str, dtype, seed: int = 0):
     (out / "prompts.json").write_text(json.dumps([{"prompt": p["prompt"], "answer": p["answer"]} for p in prompts]))
     print(f"bench model '{arch}': {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"V={cfg.vocab_size}, {dtype}, saved to {out}")
+    return sum(p.numel() for p in model.parameters())  # the tied embedding counted once
 
 
 def load_model(path, attn: str, device, dtype):
@@ -142,6 +150,37 @@ def timed(fn):
     out = fn()
     sync()
     return time.perf_counter() - t0, out
+
+
+# ----------------------------------------------------------------------------
+# The matmul floor, and a speed's model FLOPs as a fraction of it
+
+
+def matmul_floor(device, dtype, rows, hidden, inter, tries=10, calls=10):
+    """This machine's matmul rate now, in GFLOP/s: the best of `tries` timings of `calls` torch.mm
+    products (rows, H) @ (H, I), the shape of the model's MLP projection on a batch of rows, at
+    this process's thread count and the run's dtype. The model's FLOPs cannot run faster than its
+    matmuls do, so the time its FLOPs would take at this rate is a floor under every figure."""
+    a = torch.randn(rows, hidden, device=device, dtype=dtype)  # (rows, H)
+    b = torch.randn(hidden, inter, device=device, dtype=dtype)  # (H, I)
+    torch.mm(a, b)  # warm-up: the first call allocates and picks its kernel
+    best = min(timed(lambda: [torch.mm(a, b) for _ in range(calls)])[0] for _ in range(tries))
+    return 2 * rows * hidden * inter * calls / best / 1e9  # a multiply-add is 2 FLOPs
+
+
+def model_gflop(params, tokens, backward=False):
+    """The model FLOPs of `tokens` tokens, in GFLOP: 2 x params x tokens for a forward (every weight
+    is one multiply-add per token; the tied embedding counts once, as the output layer's matmul,
+    its lookup being free), x3 for a forward and a backward (the backward costs two forwards: the
+    gradients of the activations and of the weights). Attention's scores and weighted sums are
+    left out, so a fraction of the floor reads a little low, most at long prompts. Tokens/s in,
+    GFLOP/s out."""
+    return 2 * params * tokens * (3 if backward else 1) / 1e9
+
+
+def pct(share):
+    """A share of the floor as a percentage to 3 significant digits (4.12%, 0.0134%)."""
+    return f"{100 * share:.3g}%"
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +218,7 @@ def interleaved(contenders: dict, repeats: int) -> dict:
     return runs
 
 
-def bench_sampler(path, device, dtype, cases, repeats, tok):
+def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
     ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
     ids = random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
@@ -188,7 +227,8 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
     print(f"\n== sampler: rollout tokens/s, median of {repeats} (greedy agreement ours vs generate: {agree:.0%})")
-    print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'brorl tok/s':>11} {'generate tok/s':>14} | {'ratio':>6}")
+    print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'brorl tok/s':>11} {'generate tok/s':>14} | "
+          f"{'ratio':>6} | {'floor: brorl':>12} {'generate':>8}")
     results = []
     for n, p, new in cases:
         ids = random_prompt(p, seed=p)
@@ -197,10 +237,15 @@ def bench_sampler(path, device, dtype, cases, repeats, tok):
         times = {k: [dt for dt, _ in runs] for k, runs in interleaved(contenders, repeats).items()}
         tps = {k: n * new / statistics.median(v) for k, v in times.items()}
         ratio = tps["brorl"] / tps["generate"]
+        # the generated tokens' forwards only: the prompt's prefill (once for ours, N times for
+        # generate's) is left out: the same useful work for both
+        share = {k: model_gflop(params, v) / floor for k, v in tps.items()}
         print(f"{n:>5} {p:>6} {new:>4} | {tps['brorl']:>11.0f} {tps['generate']:>14.0f} | {ratio:>5.2f}x"
+              f" | {pct(share['brorl']):>12} {pct(share['generate']):>8}"
               f"   (s per run: brorl {' '.join(f'{t:.2f}' for t in times['brorl'])};"
               f" generate {' '.join(f'{t:.2f}' for t in times['generate'])})")
-        results.append(dict(n=n, prompt=p, new=new, **{f"{k}_tok_s": v for k, v in tps.items()}, ratio=ratio))
+        results.append(dict(n=n, prompt=p, new=new, **{f"{k}_tok_s": v for k, v in tps.items()},
+                            ratio=ratio, **{f"{k}_floor": v for k, v in share.items()}))
     return results
 
 
@@ -236,7 +281,7 @@ def step_child(args):
     print("RESULT " + json.dumps(out))
 
 
-def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python=""):
+def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floor, trl_python=""):
     print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, median of {repeats} "
           f"processes x {steps} steps (after one warm-up step each)")
     common = ["--model_dir", str(path), "--new", str(new), "--micro_batch", str(micro_batch),
@@ -254,13 +299,26 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
                 sys.exit(f"{name} N={n} failed:\n{out.stderr[-3000:]}")
             res[name, n].append(json.loads(line[0][7:]))
     mem = "peak_cuda_mb" if torch.cuda.is_available() else "peak_rss_mb"
-    print(f"{'':>5} {'N':>5} | {'completions/s':>13} {'step s':>7} {'rollout s':>9} {'update s':>8} | {mem:>12} | step s per process")
+    print(f"{'':>5} {'N':>5} | {'completions/s':>13} {'step s':>7} {'rollout s':>9} {'update s':>8}"
+          f" | {mem:>12} | {'floor: step':>11} {'rollout':>7} {'update':>7} | step s per process")
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if isinstance(v[0][f], float)}
            for k, v in res.items()}
+    B = len(json.loads((Path(path) / "prompts.json").read_text()))  # prompts per step
     for (name, n), m in med.items():
+        # A step's model FLOPs: its B*N*new response tokens once forward (the rollout) and once
+        # forward and backward (the update). The prompts' passes (once per prompt) are left out,
+        # and so is any extra forward (TRL's old log-probs, bf16's recomputed ones): the same
+        # useful work for both trainers.
+        gflop = dict(rollout=model_gflop(params, B * n * new),
+                     update=model_gflop(params, B * n * new, backward=True))
+        gflop["step"] = gflop["rollout"] + gflop["update"]
+        m.update({f"floor_{f}": g / m[f"{f}_s"] / floor for f, g in gflop.items() if f"{f}_s" in m})
+        shares = " ".join(f"{pct(m[f'floor_{f}']) if f'floor_{f}' in m else '-':>{w}}"
+                          for f, w in (("step", 11), ("rollout", 7), ("update", 7)))
         parts = " ".join(f"{m[f]:>{w}.2f}" if f in m else f"{'-':>{w}}" for f, w in (("rollout_s", 9), ("update_s", 8)))
         runs_s = " ".join(f"{r['step_s']:.2f}" for r in res[name, n])
-        print(f"{name:>5} {n:>5} | {m['completions_s']:>13.0f} {m['step_s']:>7.2f} {parts} | {m.get(mem, 0):>12.0f} | {runs_s}")
+        print(f"{name:>5} {n:>5} | {m['completions_s']:>13.0f} {m['step_s']:>7.2f} {parts} | "
+              f"{m.get(mem, 0):>12.0f} | {shares} | {runs_s}")
     lo, hi = ns[0], ns[-1]
     print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x")
     for n in ns if trl_python else []:
@@ -268,7 +326,7 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, trl_python="
     return med
 
 
-def bench_varlen(path, device, dtype, repeats, tok, n, prompt, new, eos_push=3.0):
+def bench_varlen(path, device, dtype, repeats, tok, params, floor, n, prompt, new, eos_push=3.0):
     """Rollouts of varied length (EOS made likelier: lengths ~geometric, capped at `new`): our
     sampler drops finished rows (SharedPrefixCache.keep); generate keeps decoding them as padding.
     Real tokens per second, each path's own EOS draws."""
@@ -288,6 +346,8 @@ def bench_varlen(path, device, dtype, repeats, tok, n, prompt, new, eos_push=3.0
     lengths = {k: statistics.mean(n_tok / n for _, n_tok in v) for k, v in runs.items()}
     print(f"\n== varied lengths: N={n}, prompt {prompt}, up to {new} new, real tokens/s, median of {repeats}")
     print(f"brorl {med['brorl']:.0f} | generate {med['generate']:.0f} | {med['brorl'] / med['generate']:.2f}x"
+          f" | floor: brorl {pct(model_gflop(params, med['brorl']) / floor)}, generate"
+          f" {pct(model_gflop(params, med['generate']) / floor)}"
           f"   (mean length: brorl {lengths['brorl']:.1f}, generate {lengths['generate']:.1f})")
 
 
@@ -295,7 +355,7 @@ def bench_varlen(path, device, dtype, repeats, tok, n, prompt, new, eos_push=3.0
 # Part 3 (GPU): samples/s as N grows at a fixed number of samples per step
 
 
-def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
+def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok, params, floor):
     model = load_model(path, "brorl", device, dtype)
     print(f"\n== breadth: rollout samples/s at {samples} samples per step (B = {samples}/N prompts), "
           f"prompt {prompt}, new {new}, median of {repeats}")
@@ -305,10 +365,12 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok):
                                                   tok.pad_token_id)
         fn()  # warm-up
         t = statistics.median(timed(fn)[0] for _ in range(repeats))
-        print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {samples * new / t:>9.0f} tok/s")
+        tok_s = samples * new / t
+        print(f"N={n:>4} B={samples // n:>4} | {samples / t:>8.1f} samples/s  {tok_s:>9.0f} tok/s"
+              f" | floor {pct(model_gflop(params, tok_s) / floor)}")
 
 
-def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
+def bench_lora(path, device, dtype, repeats, params, floor, n=512, prompt=64, new=64):
     from lib import policy
     model, pad = load_model(path, "brorl", device, dtype), AutoTokenizer.from_pretrained(path).pad_token_id
     ids = random_prompt(prompt, seed=1)
@@ -327,6 +389,11 @@ def bench_lora(path, device, dtype, repeats, n=512, prompt=64, new=64):
     print(f"\n== lora: rollout tokens/s, N={n}, prompt {prompt}, new {new}, median of {repeats} ({device}, {dtype}): "
           f"no adapter {n * new / plain:.0f}, unmerged {n * new / times['unmerged']:.0f}, "
           f"merged (incl. merge + unmerge) {n * new / times['merged']:.0f}")
+    # the base model's FLOPs for all three: the adapter's own (rank 8, on every projection: ~5% of
+    # the tiny model's parameters, ~1% of the 0.5B's) are left out
+    seconds = dict(plain=plain, unmerged=times["unmerged"], merged=times["merged"])
+    shares = {k: model_gflop(params, n * new / t) / floor for k, t in seconds.items()}
+    print("floor: " + ", ".join(f"{k} {pct(v)}" for k, v in shares.items()))
 
 
 def main(argv=None):
@@ -364,20 +431,29 @@ def main(argv=None):
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
-        save_bench_model(path, "0.5b" if gpu and not args.tiny else "tiny", dtype)
+        arch = "0.5b" if gpu and not args.tiny else "tiny"
+        params = save_bench_model(path, arch, dtype)
         tok = AutoTokenizer.from_pretrained(path)
+        # the floor before any part, in this process at its thread count (the step's children's)
+        shape = (size["floor_rows"], ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"])
+        floor = matmul_floor(device, dtype, *shape)
+        rows, H, I = shape
+        print(f"matmul floor: {floor:.1f} GFLOP/s (the best of 10 x 10 torch.mm ({rows}, {H}) @ "
+              f"({H}, {I}), {dtype}, {torch.get_num_threads()} threads); 'floor' below: a speed's "
+              f"model FLOPs (2 x params a token forward, x3 with the backward) over it")
         if args.part == "lora":
-            return bench_lora(path, device, dtype, args.repeats)
+            return bench_lora(path, device, dtype, args.repeats, params, floor)
         if args.part in ("sampler", "all", "gpu"):
-            bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok)
+            bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor)
         if args.part in ("varlen", "all", "gpu"):
-            bench_varlen(path, device, dtype, args.repeats, tok, *size["varlen"])
+            bench_varlen(path, device, dtype, args.repeats, tok, params, floor, *size["varlen"])
         if args.part in ("step", "all", "gpu"):
             trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
             bench_step(path, size["step_ns"], size["step_new"], args.micro_batch, args.steps, args.repeats,
-                       args.threads, trl)
+                       args.threads, params, floor, trl)
         if gpu:
-            bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats, tok)
+            bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats,
+                          tok, params, floor)
 
 
 if __name__ == "__main__":

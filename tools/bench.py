@@ -156,15 +156,20 @@ def timed(fn):
 # The matmul floor, and a speed's model FLOPs as a fraction of it
 
 
-def matmul_floor(device, dtype, rows, hidden, inter, tries=10, calls=10):
+def matmul_floor(device, dtype, rows, hidden, inter, tries=20, calls=5):
     """This machine's matmul rate now, in GFLOP/s: the best of `tries` timings of `calls` torch.mm
     products (rows, H) @ (H, I), the shape of the model's MLP projection on a batch of rows, at
     this process's thread count and the run's dtype. The model's FLOPs cannot run faster than its
-    matmuls do, so the time its FLOPs would take at this rate is a floor under every figure."""
+    matmuls do, so the time its FLOPs would take at this rate is a floor under every figure.
+    The product goes into one preallocated output: a fresh (rows, I) tensor per call costs page
+    faults, not arithmetic (on the 2-core CPU, 75 instead of 100 GFLOP/s at (1024, 256, 768)).
+    Many short timings, the best kept, let a run on a loaded machine find a quiet moment."""
     a = torch.randn(rows, hidden, device=device, dtype=dtype)  # (rows, H)
     b = torch.randn(hidden, inter, device=device, dtype=dtype)  # (H, I)
-    torch.mm(a, b)  # warm-up: the first call allocates and picks its kernel
-    best = min(timed(lambda: [torch.mm(a, b) for _ in range(calls)])[0] for _ in range(tries))
+    out = torch.empty(rows, inter, device=device, dtype=dtype)  # (rows, I)
+    torch.mm(a, b, out=out)  # warm-up: the first call picks its kernel
+    run = lambda: [torch.mm(a, b, out=out) for _ in range(calls)]
+    best = min(timed(run)[0] for _ in range(tries))
     return 2 * rows * hidden * inter * calls / best / 1e9  # a multiply-add is 2 FLOPs
 
 
@@ -438,7 +443,7 @@ def main(argv=None):
         shape = (size["floor_rows"], ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"])
         floor = matmul_floor(device, dtype, *shape)
         rows, H, I = shape
-        print(f"matmul floor: {floor:.1f} GFLOP/s (the best of 10 x 10 torch.mm ({rows}, {H}) @ "
+        print(f"matmul floor: {floor:.1f} GFLOP/s (the best of 20 timings of 5 torch.mm ({rows}, {H}) @ "
               f"({H}, {I}), {dtype}, {torch.get_num_threads()} threads); 'floor' below: a speed's "
               f"model FLOPs (2 x params a token forward, x3 with the backward) over it")
         if args.part == "lora":

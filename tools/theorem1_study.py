@@ -16,8 +16,9 @@ process CPU seconds (--cap) so that no run can run away. Three sweeps, --seeds a
 Runs go seed by seed (every config's seed 0, then seed 1, ...), so a study cut short is balanced.
 Each run's metrics.jsonl, the raw result, is copied to <raw>/<sweep>/<config>/seed<S>.jsonl as soon
 as the run ends; a rerun of the command skips every run whose raw file exists. --report reads the
-raw files alone: the tables (markdown, to stdout and <raw>/report.md), the tests, and the figure
-<raw>/figure3.png (Figure 3's three panels by N, seeds shaded, beside the free-logit simulation's).
+raw files alone: the tables (markdown, to stdout and assets/theorem1/report.md), the tests, and
+the figure assets/theorem1/figure3.png (Figure 3's three panels by N, seeds shaded, above the
+free-logit simulation's). The reading: docs/results/theorem1.md.
 
 Statistics. Runs of two configs share no random draws (each seed's rollouts depend on N and B), so
 configs are compared unpaired: the exact two-sided Mann-Whitney (permutation) test on the per-seed

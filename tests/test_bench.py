@@ -35,7 +35,8 @@ def test_every_bench_part_runs_at_a_tiny_size(tiny_output):
 def test_every_speed_is_shown_against_the_matmul_floor_of_the_same_run(tiny_output):
     lines = tiny_output.splitlines()
     floor = next(ln for ln in lines if ln.startswith("matmul floor:"))
-    assert float(floor.split()[2]) > 0, floor  # GFLOP/s
+    again = next(ln for ln in lines if ln.startswith("matmul floor at the end:"))
+    assert float(floor.split()[2]) > 0 and float(again.split()[5]) > 0, (floor, again)  # GFLOP/s
     # A share of the floor is a ratio of two rates measured in this run: no timing bound, only
     # that it is printed and positive. Each row's percentages: the sampler's (brorl, generate),
     # the step's (step, rollout, update), varied lengths' (brorl, generate), breadth's (one a row).

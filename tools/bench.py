@@ -460,6 +460,9 @@ def main(argv=None):
         if gpu:
             bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats,
                           tok, params, floor)
+        # once more at the end: under other load the two differ, and so show what it did to them
+        print(f"\nmatmul floor at the end: {matmul_floor(device, dtype, *shape):.1f} GFLOP/s (the "
+              f"shares above are of the first, {floor:.1f})")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@ brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled 
 *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
-  1. rollout     sample N completions for each prompt (sampler.py): each prompt prefilled ONCE, its
-                 N rollouts decoding against that one copy of its keys/values (cascade attention).
-  2. reward      verifier (verify.py): 1 correct, 0 otherwise; on math, the rules or Math-Verify
-     (--verifier).
-  3. dynamic     drop groups whose N rewards are all equal (no signal) and keep sampling new
-     sampling    prompts until B groups survive, or a cap on rounds is hit (then fewer; none: no
-     update).
+  1. rollout     sample N completions for each prompt (sampler.py): each prompt is prefilled ONCE,
+                 and its N rollouts decode against that one copy of its keys and values.
+  2. reward      the verifier (verify.py): 1 correct, 0 otherwise; on math, its rules or
+                 Math-Verify (--verifier).
+  3. dynamic     drop the groups whose N rewards are all equal (no signal) and keep sampling new
+     sampling    prompts until B groups survive, or until a cap on rounds (then fewer; with none,
+                 no update). --alloc adaptive instead draws B prompts once and splits R rollouts
+                 among them by each one's estimated Q (lib/allocation.py).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), whitened over the batch's valid response
-                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more (Dr.
-                 GRPO).
+                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more
+                 (Dr. GRPO).
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
@@ -21,32 +22,33 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  update's by kernels.linear_logprobs (from hidden states, the logits never whole;
                  a head that is not a plain linear layer: kernels.token_logprobs on its logits),
                  the sampler's by kernels.token_logprobs on each decoded position's logits.
-  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k; the
-                 correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled on a
-                 probe set and exact where the answer is one token sequence (lib/mass.py); one log
-                 line per step, metrics.jsonl and metrics.png; a checkpoint at every eval.
+  6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
+                 the correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled
+                 on a probe set and exact where the answer is one token sequence
+                 (lib/diagnostics.py); one log line per step, metrics.jsonl and metrics.png; a
+                 checkpoint at every eval.
 
 Where this simplifies the paper:
-  1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks. In
-     float32 the sampler's log-probs serve as the old policy's (--old_logp: max|ratio-1| checks it);
-     in bf16 the old log-probs are a trainer forward, the drift logged and corrected by TIS
-     (--tis_cap).
-  2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and wrong
-     addition procedures (data.py); RL selects the right one, as RLVR selects among a model's
-     behaviours.
+  1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks.
+     In float32 the sampler's log-probs serve as the old policy's (--old_logp; max|ratio-1|
+     checks it); in bf16 the old log-probs are a trainer forward's, and the drift is logged and
+     corrected by TIS (--tis_cap).
+  2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and
+     wrong addition procedures (data.py); RL selects the right one, as RLVR selects among a
+     model's behaviours.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
 Run:
-  python brorl.py                              # embedded tiny model + task, CPU, a few minutes
-  python brorl.py --preset gsm8k-0.5b          # a real one-GPU job (also math-1.5b; --plan: its
-  memory) python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its
-  checkpoint torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K
-  processes python brorl.py --help                       # every flag
+  python brorl.py                             # the embedded tiny model and task: CPU, minutes
+  python brorl.py --preset gsm8k-0.5b         # a real one-GPU job (also math-1.5b; --plan: memory)
+  python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
+  torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes
+  python brorl.py --help                      # every flag
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
 embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner,
-processes); tools/ the programs run beside training. The paper, restated: docs/paper.md. Every
-figure: docs/results/.
+processes, the eval's diagnostics); tools/ the programs run beside training. The paper, restated:
+docs/paper.md. Every figure: docs/results/.
 """
 
 import math
@@ -58,8 +60,8 @@ import torch
 
 import data
 import verify
-from lib import (allocation, answers, balance, config, distributed, evalonly, harness,
-                 mass, samples, setup, steplog)
+from lib import (allocation, balance, config, diagnostics, distributed, evalonly, harness, samples,
+                 setup, steplog)
 from lib.config import fail
 from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
@@ -67,12 +69,12 @@ from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, 
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: one typed source of truth; every field is a --flag, its comment is the --help
+# Config: the one typed source of truth. Every field is a --flag, and its comment is its --help.
 
 
 @dataclass
 class Config:
-    # model and task
+    # The model and the task.
     model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or
                                            # local dir (default: the embedded tiny model)
     task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a
@@ -88,7 +90,7 @@ class Config:
                          # bf16 CUDA
     device: str = "auto"  # auto = cuda if available else cpu
     seed: int = 0  # seeds prompts, sampling and init of everything random
-    # rollout (paper: N=512 rollouts, B=128 prompts per step)
+    # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
     max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
@@ -97,45 +99,45 @@ class Config:
                         # tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
-    # dynamic sampling (DAPO)
+    # Dynamic sampling, as DAPO's.
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
-    # breadth in sampling, not in the update (PODS, arXiv 2504.13818): the m rollouts whose rewards
-    # vary most
+    # Breadth in sampling but not in the update (PODS, arXiv 2504.13818): the update trains on the
+    # m rollouts of a group whose rewards vary most.
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
-    # rollouts per prompt (lib/allocation.py): uniform gives each prompt N, drawing rounds until B
+    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
     # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
-    # one's estimated Q, to make informative groups likely (PODS: min(m, its n) a group)
+    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
     alloc: str = "uniform"  # uniform (N a prompt) or adaptive (R a step by each prompt's Q; PODS:
                             # min(m, n))
     rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
     min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
     max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
     alloc_decay: float = 0.95  # adaptive: the estimate's counts x this a step (the policy moves)
-    # advantages: r - mean_group(r), then whitened (compute_advantages). batch: over the batch's
-    # response tokens (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run); response: over
-    # responses; group: GRPO's
+    # Advantages are r - mean_group(r), then whitened (compute_advantages): over the batch's
+    # response tokens with batch (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run), over
+    # its responses with response, or by each group's std with group (GRPO's).
     adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
-    # policy update
+    # The policy update.
     lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model;
                       # 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
     micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit
                             # --memory_gb
-    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone; the KL's reference
-    # shares the base
+    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
+    # shares the base model.
     lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
     lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama
         # attention and MLP
     grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one
                              # layer, not all (~1/3 more compute)
-    # the old policy's log-probs: the sampler's (in fp32 a trainer forward's up to rounding) or a
-    # trainer forward
+    # The old policy's log-probs are the sampler's (in fp32, a trainer forward's up to rounding) or
+    # a trainer forward's.
     old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
-    # the objective (policy_token_loss); Dr. GRPO is ppo with --adv_norm none --loss_agg constant
-    # (README: each one's command)
+    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant;
+    # the README gives each one's command.
     loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv
                                  # 2507.18071: 3e-4)
@@ -145,22 +147,23 @@ class Config:
                              # on its weight
     clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at
                                # most -c*A; need c > 1
-    # truncated importance sampling: the sampler's numerics differ from the trainer's (weight 1 with
-    # --old_logp sampler)
+    # Truncated importance sampling corrects for the sampler's numerics differing from the
+    # trainer's (its weight is 1 with --old_logp sampler).
     tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's
                           # examples); 0: off
-    # token: mean over the mini-batch's tokens (DAPO); sequence: per-row mean, then over rows
-    # (GSPO's); constant: the sum / (max_new_tokens x the mini-batch's rows), a normaliser no
-    # response changes (Dr. GRPO)
+    # The loss's aggregation. token: the mean over the mini-batch's tokens (DAPO); sequence: each
+    # row's mean, then the mean over rows (GSPO's); constant: the sum / (max_new_tokens x the
+    # mini-batch's rows), a normaliser no response changes (Dr. GRPO).
     loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo (its
                             # paper's), else token
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
-    # math tasks: rules (verify.py), math_verify, or both = correct if either accepts (the paper's)
+    # The math verifier: rules (verify.py), math_verify, or both, correct if either accepts (the
+    # paper's).
     verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else
                             # rules
-    # schedule, eval, output
+    # The schedule, the evaluation and the output.
     steps: int = 100  # training steps (the most, with --time_budget)
     time_budget: float = 0.0  # seconds of training (evaluations excluded); stop at the first step
                               # past it (0: off)
@@ -181,11 +184,11 @@ class Config:
     gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is
                             # the gate; below, low
     gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
-    # sets task: every answer's exact probability (lib/answers.py) of the first n eval prompts at
-    # every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread)
+    # The sets task: every answer's exact probability (lib/answers.py) for the first n eval prompts
+    # at every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread).
     answer_prompts: int = 0  # n prompts; 0: off
-    # sets task, one process: each trained group's mass balance and Theorem 1's terms
-    # (lib/balance.py)
+    # The sets task, one process: each trained group's mass balance and Theorem 1's terms
+    # (lib/balance.py).
     mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
     sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl
                              # (lib/samples.py)
@@ -213,6 +216,7 @@ class Config:
                              # nothing
 
 
+
 def parse_config(argv=None) -> Config:
     """Config from the command line (lib/config.py): a preset, then the flags given, checked; or a
     --resume."""
@@ -220,24 +224,24 @@ def parse_config(argv=None) -> Config:
 
 
 # ----------------------------------------------------------------------------
-# Rollouts (sampler.generate): tokens, mask, the sampler's log-probs and entropies, truncation flags
-# and texts, row r of prompt r // N. Each of K processes samples a share; every rank gets the scores
-# of all.
+# Rollouts: sampler.generate makes them (tokens, mask, the sampler's log-probs and entropies,
+# truncation flags and texts; row i belongs to prompt i // N). With K processes each rank samples
+# a share of the prompts, and every rank gets the scores of all.
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
     """This rank's share of the prompts, n rollouts each, sampled and scored: its Rollouts (None if
-    the share is empty), the share (a range into examples), and ALL prompts' rewards, lengths,
+    the share is empty), the share (a range into examples), and ALL prompts' rewards, lengths and
     truncation flags (P, n)."""
     mine = distributed.share(len(examples))
-    # (prompts, [reward, length, truncated], n)
+    # Each prompt's rewards, lengths and truncation flags. (len(mine), 3, n)
     scores = torch.zeros(len(mine), 3, n, dtype=torch.float64)
     ro = None
     if len(mine):
-        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n, max_new
-                      or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
+        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n,
+                      max_new or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
                       seeds[mine.start: mine.stop], cfg.system_prompt)
-        # (len(mine), n)
+        # This rank's rewards. (len(mine), n)
         r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier, tok)
         scores = torch.stack([r, ro.mask.sum(1).view(-1, n), ro.truncated.view(-1, n)], 1).double()
     r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
@@ -251,14 +255,14 @@ def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_ne
 def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
           tok=None) -> torch.Tensor:
     """Rewards (B, N): the verifier on each response; a truncated one scores 0. A response is scored
-    with the <think> its prompt opened (R1-Distill's template ends with one): an unfinished think
-    block does not count."""
+    with the <think> its prompt opened (R1-Distill's template ends with one), so that an unfinished
+    think block does not count."""
     prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
-    # (B,)
+    # Whether each prompt leaves a think block open. (B,)
     opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]
     texts = [opened[i // rollouts.n] + t for i, t in enumerate(rollouts.texts)]
     golds = [a for a in answers for _ in range(rollouts.n)]
-    # (B*N,)
+    # Each response's verdict; a truncated response's is then set to 0. (B*N,)
     r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier),
                      dtype=torch.float32)
     r[rollouts.truncated] = 0.0
@@ -267,8 +271,8 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
 
 @dataclass
 class Group:
-    """A kept group: its rewards and lengths (every rank); its rollouts, at `index` (only the rank
-    that sampled it)."""
+    """A prompt's group: its rewards and lengths (on every rank), and its rollouts at `index` (only
+    on the rank that sampled it)."""
     rewards: torch.Tensor  # (N,) one per rollout
     lengths: torch.Tensor  # (N,) valid tokens per response
     rollouts: Rollouts = None
@@ -276,74 +280,46 @@ class Group:
     example: dict = None  # its prompt (the mass balance's)
 
 
+def sample_groups(model, tok, cfg, batch, n, seeds) -> tuple:
+    """n rollouts of each prompt of batch at the training temperature, this rank's share sampled,
+    all scored: a Group for each prompt, and all the rewards and lengths (P, n)."""
+    ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
+                                           seeds)
+    groups = [Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
+                    example=batch[g]) for g in range(len(batch))]
+    return groups, r, lengths
+
+
 def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
     """Sample groups until B survive dynamic sampling (or max_rounds hits): at most B kept Groups,
-    the statistics. Every rank draws the same prompts and sees every group's rewards, so all keep
-    the same groups."""
+    and the statistics. Every rank draws the same prompts and sees every group's rewards, so all
+    keep the same groups."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
     kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
     while len(kept) < B and stats["rounds"] < cfg.max_rounds:
-        # ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent
-        # steps'), at most 4B a round; without dynamic sampling every group is kept: exactly the B
-        # needed
+        # Ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent
+        # steps'), at most 4B a round. Without dynamic sampling every group is kept, so exactly
+        # the B needed are drawn.
         rate = (stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"]
                 else keep_est)
         want = (min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling
                 else B - len(kept))
-        want = min(want, len(train_set))  # a round's prompts are distinct: at most the whole set
+        want = min(want, len(train_set))  # A round's prompts are distinct: at most the whole set.
         batch = rng.sample(train_set, want)  # the same prompts on every rank
         seeds = round_seeds(cfg.seed, step, stats["rounds"], want)
-        # (want, N)
-        ro, mine, r, lengths, _ = sample_share(model, tok, batch, N, cfg.temperature,
-                                               cfg.top_p, cfg, seeds)
+        groups, r, lengths = sample_groups(model, tok, cfg, batch, N, seeds)  # (want, N) each
         stats["rounds"] += 1
         stats["groups_generated"] += want
         stats["tokens"] += int(lengths.sum())
         stats["rewards"].append(r)
-        if cfg.task in ("keys", "sets"):  # train = eval: the prompts a rollout got right, logged
+        if cfg.task in ("keys", "sets"):  # Train = eval here: log the prompts a rollout got right.
             right = [x["prompt"] for x, top in zip(batch, r.max(1).values.tolist()) if top > 0]
             stats.setdefault("sampled_right", []).extend(right)
-        for g in range(want):
-            if not cfg.dynamic_sampling or r[g].min() != r[g].max():
-                kept.append(Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
-                                  example=batch[g]))
+        informative = [x for x in groups if x.rewards.min() != x.rewards.max()]
+        kept += informative if cfg.dynamic_sampling else groups
         stats["groups_survived"] = len(kept)
-    kept = kept[:B]  # DAPO keeps exactly B; extra survivors of the last round are dropped
+    kept = kept[:B]  # DAPO keeps exactly B, so the last round's extra survivors are dropped.
     stats["groups_kept"] = len(kept)
-    return kept, stats
-
-
-def sample_allocated_groups(model, tok, cfg, train_set, rng, step, estimate):
-    """--alloc adaptive: one round of B candidate prompts, each given its n of the step's R rollouts
-    from its estimated Q (allocation.allocate), sampled in one call per distinct n (the sampler
-    takes one n); every group's rewards update the estimate; dynamic sampling drops the all-equal
-    groups, and no further round is drawn (the budget is spent). The kept Groups, in candidate
-    order, and sample_step_groups' statistics, with the allocation's."""
-    B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
-    idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
-    n = allocation.allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
-    seeds = round_seeds(cfg.seed, step, 0, B)  # one a candidate: rollouts of (seed, step, prompt)
-    groups, tokens = [None] * B, 0
-    for size in sorted(set(n)):
-        js = [j for j in range(B) if n[j] == size]  # the candidates given `size` rollouts
-        batch = [train_set[idx[j]] for j in js]
-        ro, mine, r, lengths, _ = sample_share(model, tok, batch, size, cfg.temperature, cfg.top_p,
-                                               cfg, [seeds[j] for j in js])  # (len(js), size)
-        tokens += int(lengths.sum())
-        for g, j in enumerate(js):
-            groups[j] = Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
-                              example=batch[g])
-    estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
-    informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
-    kept = [x for x, useful in zip(groups, informative) if useful or not cfg.dynamic_sampling]
-    stats = dict(groups_generated=B, groups_survived=len(kept), groups_kept=len(kept), rounds=1,
-                 rewards=[x.rewards[None] for x in groups], tokens=tokens,  # (1, n_j) each
-                 alloc_n_min=min(n), alloc_n_median=torch.tensor(n).double().quantile(0.5).item(),
-                 alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
-                 rollouts_dropped=sum(s for s, useful in zip(n, informative) if not useful)
-                 if cfg.dynamic_sampling else 0)
-    if cfg.task in ("keys", "sets"):  # train = eval: the prompts a rollout got right, logged
-        stats["sampled_right"] = [x.example["prompt"] for x in groups if x.rewards.max() > 0]
     return kept, stats
 
 
@@ -359,13 +335,15 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
                 loss the advantages sum to 0 over tokens whatever the lengths. Unbiased variance,
                 eps 1e-8 inside the sqrt.
       response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO,
-      2503.20783).
+                2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the
     rest, as verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it
     stays 0). Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors
     (n_j,): each group centred on its own mean (group: its own std), the batch's whitening over all
     valid tokens (or responses) of all groups, each response weighted by its length as before; a
     list back."""
+    if norm == "batch" and lengths is None:
+        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     if isinstance(rewards, list):
         return compute_ragged_advantages(rewards, norm, lengths)
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
@@ -373,43 +351,40 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
         return centred / (rewards.std(1, keepdim=True) + 1e-6)
     if norm == "none":
         return centred
-    if norm == "batch" and lengths is None:
-        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-    # over the whole batch (with K processes every rank holds all groups' rewards and lengths)
-    # (G, N) each response's weight
-    w = (lengths if norm == "batch" else torch.ones_like(centred)).double()
-    x, n = centred.double(), w.sum()  # n: valid tokens (batch) or responses (response)
-    mean = (w * x).sum() / n
-    if n <= 1:  # no variance to divide by
-        return centred
-    # unbiased, as verl's masked_var
-    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)
-    return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (G, N)
+    # Whitened over the whole batch: with K processes every rank holds all groups' rewards and
+    # lengths. Each response weighs its valid tokens (batch) or 1 (response). (G, N)
+    return whiten(centred, lengths if norm == "batch" else torch.ones_like(centred))
 
 
 def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
     """compute_advantages for G groups of unequal N, each (n_j,): the same arithmetic on the flat
     (sum n_j,) rollouts, so that equal n_j give the rectangular path's numbers."""
-    sizes = [len(r) for r in rewards]
     if norm == "group":
         return [(r - r.mean()) / (r.std() + 1e-6) for r in rewards]
     centred = torch.cat([r - r.mean() for r in rewards])  # (sum n_j,)
-    if norm == "batch" and lengths is None:
-        raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     if norm in ("batch", "response"):
-        # (sum n_j,)
-        w = (torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)).double()
-        x, n = centred.double(), w.sum()
-        mean = (w * x).sum() / n
-        if n > 1:
-            var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)
-            centred = ((centred - mean) * torch.rsqrt(var + 1e-8)).float()  # (sum n_j,)
-    return list(centred.split(sizes))
+        centred = whiten(centred, torch.cat(lengths) if norm == "batch"
+                         else torch.ones_like(centred))  # (sum n_j,)
+    return list(centred.split([len(r) for r in rewards]))
+
+
+def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(centred - mean) / sqrt(var + 1e-8), in float64, the mean and the unbiased variance taken
+    over all entries, each counted `weights` times (verl's masked whitening when the weights are
+    the responses' valid tokens). With a total weight of 1 or less, centred comes back as it is."""
+    w, x = weights.double(), centred.double()
+    n = w.sum()  # the valid tokens (batch) or the responses (response)
+    mean = (w * x).sum() / n
+    if n <= 1:  # There is no variance to divide by.
+        return centred
+    # Unbiased, as verl's masked_var.
+    var = ((w * x * x).sum() / n - mean * mean).clamp(min=0) * n / (n - 1)
+    return ((centred - mean) * torch.rsqrt(var + 1e-8)).float()
 
 
 # ----------------------------------------------------------------------------
-# Policy update: the loss per token (r, T) of r response rows, its normaliser, the mini-batches'
-# loop
+# Policy update: the loss per token (r, T) of r response rows, its normaliser, and the loop over
+# mini-batches.
 
 
 def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None,
@@ -457,7 +432,7 @@ def policy_token_loss(logp, old_logp, adv, mask, cfg):
         lo, hi = cfg.clip_low, cfg.clip_high
         loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
     clipped = ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
-    # dual-clip
+    # Under PPO, dual-clip also binds where a negative advantage's ratio passes c.
     return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))
 
 
@@ -480,7 +455,7 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
     reference (ref_logp None: none), each token weighted by w (loss_weights). Returns the loss,
     ratio, where the clip binds, KL."""
     pg, ratio, clipped = policy_token_loss(logp, old_logp, adv, mask, cfg)  # (r, T) each
-    # (r, T) on the policy term only (verl)
+    # The TIS weight applies to the policy term only, as verl's. (r, T)
     tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap).detach()
     kl = kl_k2(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)  # (r, T)
     loss = w * (tis * pg + cfg.kl_coef * kl)  # (r, T), summed over the mini-batch: its loss
@@ -495,29 +470,29 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # All ranks' R rows (G*m, or sum m_j), which of them this rank holds, and their valid tokens.
     layout = distributed.RowLayout(batch["lengths"], cfg.micro_batch, dev)
     R = len(layout)
-    sampler_logp, valid, agg = batch["sampler_logp"], batch["resp_mask"], aggregation(cfg.loss,
-                                                                                      cfg.loss_agg)
-    # before any update: the old policy's log-probs and entropies (r, T) (the sampler's or a
-    # forward's), the reference's
+    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (r, T) each
+    agg = aggregation(cfg.loss, cfg.loss_agg)
+    # Before any update: the old policy's log-probs and entropies (the sampler's or a forward's),
+    # and the reference's log-probs. (r, T) each
     old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
                                            layout.mine(torch.arange(R)), cfg, dev)
-    # sampler/trainer drift: how far the policy that drew the tokens is from the loss's old policy;
-    # 0 by construction with the sampler's log-probs (then the first mini-batch's max|ratio-1|
-    # measures it)
-    drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]  # (valid tokens,)
+    # The sampler/trainer drift: how far the policy that drew the tokens is from the loss's old
+    # policy. It is 0 by construction with the sampler's log-probs, and then the first
+    # mini-batch's max|ratio-1| measures it instead. (valid tokens,)
+    drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]
+    # Sums over tokens, then two maxima.
     sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(),
                 clip_frac=0.0, kl=0.0,
-                # sums, then maxes
                 drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
     grad_norm = 0.0
-    # even mini-batches of a permutation the same on every rank (10 rows in 4: 3, 3, 2, 2; fewer
-    # rows: one each)
+    # Even mini-batches of a permutation that is the same on every rank: 10 rows in 4 make 3, 3,
+    # 2, 2, and fewer rows than mini-batches make one row each.
     minibatches = torch.randperm(R, generator=gen_cpu).tensor_split(min(cfg.n_minibatches, R))
     for k, mb in enumerate(minibatches):
         opt.zero_grad(set_to_none=True)
         for rows in layout.mine(mb):  # this rank's rows of the mini-batch, micro-batched
             mask, ref = valid[rows], ref_logp[rows] if ref_logp is not None else None  # (r, T) each
-            with autocast(cfg, dev):  # a fresh region per forward: it sees the last opt.step()
+            with autocast(cfg, dev):  # A fresh region per forward sees the last opt.step().
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
             # The weights count the whole mini-batch's tokens and rows, over all ranks. (r, T)
             w = loss_weights(mask, agg, *layout.counts(mb), cfg.max_new_tokens, logp.dtype)
@@ -526,21 +501,21 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             loss.sum().backward()
             sums["kl"] += (kl * mask).sum().item()
             sums["clip_frac"] += (clipped & mask).sum().item()
-            # no update yet: ratio == 1 up to float rounding (trainer vs sampler or trainer)
+            # Before the first update the ratio is 1 up to the rounding of sampler vs trainer.
             if k == 0 and len(rows):
                 sums["max_ratio_dev"] = max(sums["max_ratio_dev"],
                                             ((ratio - 1).abs() * mask).max().item())
         norm = clip_gradients(model, cfg.grad_clip)  # over all ranks' gradients
-        if not math.isfinite(norm):  # never step on a NaN/inf gradient
+        if not math.isfinite(norm):  # Never step on a NaN or inf gradient.
             raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not "
                                      f"applied")
         grad_norm += norm / len(minibatches)
         opt.step()
-    opt.zero_grad(set_to_none=True)  # the gradients would otherwise sit through the next rollout
+    opt.zero_grad(set_to_none=True)  # Otherwise the gradients would sit through the next rollout.
     total = distributed.reduce(sums, maxes=("drift_max", "max_ratio_dev"))  # over all ranks' rows
-    # each token once
-    n_tok, per_token = max(layout.tokens.sum().item(), 1), ("entropy", "drift_mean",
-                                                            "clip_frac", "kl")
+    # The per-token metrics divide by all ranks' valid tokens, each token counted once.
+    n_tok = max(layout.tokens.sum().item(), 1)
+    per_token = ("entropy", "drift_mean", "clip_frac", "kl")
     return {**{k: v / n_tok if k in per_token else v for k, v in total.items()},
             "grad_norm": grad_norm}
 
@@ -561,15 +536,17 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     with autocast(cfg, replica.device):
         if estimate is None:
             kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
-        else:
-            kept, stats = sample_allocated_groups(replica, tok, cfg, train_set, rng, step, estimate)
+        else:  # --alloc adaptive: one round, its R rollouts split by each prompt's estimated Q.
+            sample = lambda batch, n, seeds: sample_groups(replica, tok, cfg, batch, n, seeds)
+            kept, stats = allocation.sample_allocated_groups(sample, cfg, train_set, rng, step,
+                                                             estimate)
     t_roll = time.perf_counter() - t0
     upd = {}
-    if kept:  # else every group was all-right or all-wrong: nothing to learn from this step
+    if kept:  # Else every group was all right or all wrong: nothing to learn from this step.
         # --train_rollouts m (PODS): the update trains on m rows of each group and takes the
         # advantages over those m; m = N is exactly the run without it.
         trains_on = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m
-        if len({len(k.rewards) for k in kept}) == 1:  # one N (always so with --alloc uniform)
+        if len({len(k.rewards) for k in kept}) == 1:  # One N, as always with --alloc uniform.
             all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
             chosen = max_variance_subset(all_rewards, trains_on(all_rewards.shape[1]))  # (G, m)
             rewards = all_rewards.gather(1, chosen)  # (G, m)
@@ -590,21 +567,18 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
                                       for j, k in enumerate(kept)])
         my_groups = [j for j, x in enumerate(groups) if x is not None]
         batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)
+        # On --mass_balance's steps, the answer distributions before the update (lib/balance.py).
         balanced = cfg.mass_balance and step % cfg.mass_balance == 0
-        if balanced:  # instrumented: the answer distributions before the update (lib/balance.py)
-            trained_prompts, space = {k.example["prompt"] for k in kept}, answers.space(cfg.task)
-            others = [x for x in followed if x["prompt"] not in trained_prompts]
-            snapshot = lambda: balance.Snapshot(replica, tok, cfg, [k.example for k in kept],
-                                                others, space)
-            before = snapshot()
+        before = balance.Snapshot(replica, tok, cfg, kept, followed) if balanced else None
         model.train()
         # The advantages of this rank's rows. (its rows,)
         my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])
         upd = update_policy(model, ref_model, opt, batch, my_adv.to(model.device), cfg, gen_cpu)
-        distributed.refresh(model, replica)  # the replica follows the update: one gather per step
-        if balanced:  # and after it: the four parts' mass, Theorem 1's terms, the others' Q
+        distributed.refresh(model, replica)  # The replica follows the update: one gather a step.
+        if balanced:  # And after it: the four parts' mass, Theorem 1's terms, the others' Q.
             replica.eval()
-            upd.update(balance.records(before, snapshot(), kept, chosen, space))
+            after = balance.Snapshot(replica, tok, cfg, kept, followed)
+            upd.update(balance.records(before, after, kept, chosen))
         # The rewards of the rows trained on, against all N of the kept groups. (G, m) or (sum m_j,)
         trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)
         upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())
@@ -614,20 +588,21 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
 
 
 # ----------------------------------------------------------------------------
-# Evaluation and diagnostics: pass@k and the probe set's correct mass
+# Evaluation: pass@k on the held-out set. The diagnostics that follow it (the probe's Q, the exact
+# Q, the answer distributions) are lib/diagnostics.py's.
 
 
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
-    pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2, 4,
-    ... and n itself; the sampled responses' mean length and truncated share; the first few of them
-    (samples.jsonl)."""
+    pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2,
+    4, ... and n itself; the sampled responses' mean length and truncated share; the first few of
+    them (samples.jsonl)."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
-    # (P, n)
+    # Each prompt's n samples scored. (P, n) each
     ro, mine, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg,
                                                          seeds, max_new)
-    # ro freed before greedy
+    # The rollouts are freed before the greedy pass.
     responses, ro = samples.eval_records(examples, ro, mine, correct, lengths, truncated, cfg), None
     greedy = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg, seeds, max_new)[2]  # (P, 1)
     ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
@@ -636,31 +611,13 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k)
                                   for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]  # k = --eval_samples
-    # per held-out problem, of n samples: for paired tests
+    # Each held-out problem's correct samples of n, for paired tests between runs.
     m["eval_correct"] = [int(c) for c in correct.sum(1)]
-    # tokens; share capped
+    # The mean response length in tokens, and the share cut at the length cap.
     m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())
-    # the first few, for samples.jsonl (harness.Run.log), not for metrics.jsonl
+    # The first few responses go to samples.jsonl (harness.Run.log), not to metrics.jsonl.
     m["eval_responses"] = responses
     return m
-
-
-def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
-    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples
-    rollouts at the training temperature (not N: runs with different N are measured alike). Per
-    prompt, an analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises with it
-    (docs/paper.md §3)."""
-    seeds = draw_seeds(gen, len(probe))
-    # (P,)
-    q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg,
-                     seeds)[2].mean(1)
-    m = {"mass_mean": q.mean().item()}
-    if start is not None:
-        delta = q - start
-        m.update(mass_rose=(delta > 0).float().mean().item(),
-                 mass_fell=(delta < 0).float().mean().item(),
-                 mass_worst_drop=max(0.0, -delta.min().item()))
-    return q, m
 
 
 # ----------------------------------------------------------------------------
@@ -668,77 +625,56 @@ def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
 
 
 def train(cfg: Config) -> list:
-    """Evaluate, then train --steps steps (or until --time_budget), evaluating every --eval_every;
-    the rows."""
-    # seeds, processes, data, the policy (LoRA, --grad_ckpt, FSDP), memory plan, run dir
+    """Evaluate, then train --steps steps (or until --time_budget), evaluating every --eval_every
+    steps; returns the logged rows."""
+    # Seeds, processes, data, the policy (LoRA, --grad_ckpt, FSDP), the memory plan, the run dir.
     run = harness.start(cfg)
     cfg, model, replica, tok = run.cfg, run.model, run.replica, run.tok
-    # the KL's: a frozen copy of the start
+    # The KL's reference: a frozen copy of the starting policy.
     ref_model = make_reference(replica) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(trainable(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.999))
-    # prompts; mini-batches
+    # Two random streams: rng draws the prompts, gen_cpu the mini-batches.
     rng, gen_cpu = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
-    # --alloc adaptive: each training prompt's estimated Q (lib/allocation.py), kept in the
-    # checkpoint
+    # --alloc adaptive: each training prompt's estimated Q (lib/allocation.py), checkpointed.
     estimate = (allocation.Estimate(len(run.train_set), cfg.alloc_decay)
                 if cfg.alloc == "adaptive" else None)
-    # --resume: where it left off
+    # With --resume, where the run left off.
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
-    probe, exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(cfg, run.eval_set)  # Q's
-    # an eval prompt's training position
-    position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
-    # the whole answer distribution (sets): its prompts, their right answers, the first eval's
-    answer_set, space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
-    right, first = answers.right_mask(answer_set, space), answers.load_first(run.out)
+    # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
+    diag = diagnostics.Diagnostics(cfg, run, estimate)
 
     def log_eval(step, q_start=None):
-        """Held-out pass@k, and the probe set's correct mass relative to step 0 (own random
-        stream)."""
+        """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the
+        eval's own random stream; returns the metrics and the probe's Q."""
         replica.eval()
         gen = setup.eval_generator(run.device, cfg.seed, step)
         with run.amp():
             m = evaluate(replica, tok, run.eval_set, cfg, gen)
-            q, mq = probe_mass(replica, tok, probe, cfg, gen, start=q_start)
-            mq.update(mass.exact_mass(replica, tok, exact_set, cfg))  # exact Q, zones (lib/mass.py)
-            if step == 0 and exact_set:  # whose exact Q each position of mass_exact_log10 is
-                mq["mass_exact_prompts"] = [x["prompt"] for x in exact_set]
-            # the estimate against the exact Q
-            if estimate is not None and "mass_exact_log10" in mq:
-                mq.update(allocation.calibration(estimate,
-                                                 [position.get(x["prompt"]) for x in exact_set],
-                                                 mq["mass_exact_log10"]))
-            if answer_set:  # every answer's probability, Figure 3's measures (lib/answers.py)
-                nonlocal first
-                logp = answers.distribution(replica, tok, answer_set, space, cfg.temperature,
-                                            cfg.system_prompt)  # (P, A)
-                first = logp if first is None else first
-                mq.update(answers.eval_metrics(logp, right, first))
-                if distributed.is_main():
-                    answers.save(run.out, step, logp, answer_set)
+            mq, q = diag.measure(replica, tok, gen, sample_share, step, q_start)
         return {**m, **mq}, q
 
     if start == 0:
         m, q_start = log_eval(0)
         run.log({"step": 0, **m})
-    for step in run.steps(start):  # none after the step that spends --time_budget
-        with run.clock:  # training time: evaluations and checkpoints excluded
+    for step in run.steps(start):  # None after the step that spends --time_budget.
+        with run.clock:  # Training time: evaluations and checkpoints are excluded.
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg,
                                              run.train_set, rng, step, gen_cpu, keep_est,
-                                             exact_set, estimate)}
+                                             diag.exact_set, estimate)}
             except FloatingPointError as e:
-                # the bad mini-batch was not applied: stop before training on it
+                # The bad mini-batch was not applied: stop before training on it.
                 fail(f"step {step}: {e}")
-            # dynamic sampling's expected keep rate
+            # Dynamic sampling's expected keep rate, a moving average.
             keep_est = 0.8 * keep_est + 0.2 * m["keep_rate"]
             if ref_model is not None and step % cfg.ref_reset_every == 0:
-                # ProRL: reset the reference, keep Adam state
+                # ProRL resets the reference and keeps Adam's state.
                 ref_model.load_state_dict(replica.state_dict())
-        # every --eval_every steps, at the last, and when the budget is spent
+        # Evaluate every --eval_every steps, at the last, and when the budget is spent.
         if run.eval_due(step):
             m.update(log_eval(step, q_start)[0])
-        # log line, metrics.jsonl; at an eval, metrics.png and the checkpoint
+        # The log line and metrics.jsonl; at an eval, also metrics.png and the checkpoint.
         run.log(m, keep_est, q_start)
     return run.finish()
 

@@ -18,9 +18,14 @@ v(n, q) = 1 - q^n - (1 - q)^n. Its gain per extra rollout, v(n+1, q) - v(n, q) =
 whose next one gains most (allocate) maximises the sum of v over prompts exactly, for the integer
 budget: the tests check it against brute force. Knapsack RL allocates by a value of the same kind;
 Reinforce-Ada and sGPO size groups from the success rate too.
+
+A step under --alloc adaptive (sample_allocated_groups) replaces brorl.sample_step_groups: the
+rollout and dynamic sampling phases, with one round of B candidates sized by allocate.
 """
 
 import torch
+
+from sampler import round_seeds
 
 # the prior: PRIOR_COUNT pseudo-rollouts (an unseen prompt's estimate moves with its first group) at
 # a mean that follows each step's mean reward with this momentum (as brorl.train's keep_est)
@@ -115,3 +120,38 @@ def calibration(estimate: Estimate, positions: list, log10_q: list) -> dict:
             else float("nan"))
     return {"alloc_calib_prompts": len(pairs),
             "alloc_calib_abs_log10": (est - exact).abs().mean().item(), "alloc_calib_corr": corr}
+
+
+def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimate) -> tuple:
+    """One step's rollouts under --alloc adaptive: one round of B candidate prompts, each given its
+    n of the step's R rollouts from its estimated Q (allocate), sampled in one call per distinct n
+    (the sampler takes one n). Every group's rewards update the estimate; dynamic sampling drops
+    the all-equal groups, and no further round is drawn, since the budget is spent. sample(batch,
+    n, seeds) is brorl.sample_groups for the policy (lib/ never imports brorl): the batch's
+    Groups, rewards and lengths (P, n). Returns the kept Groups in candidate order, and
+    brorl.sample_step_groups' statistics with the allocation's."""
+    B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
+    idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
+    n = allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
+    seeds = round_seeds(cfg.seed, step, 0, B)  # one a candidate: rollouts of (seed, step, prompt)
+    groups, tokens = [None] * B, 0
+    for size in sorted(set(n)):
+        js = [j for j in range(B) if n[j] == size]  # the candidates given `size` rollouts
+        # (len(js), size) rewards and lengths, one Group a candidate.
+        got, _, lengths = sample([train_set[idx[j]] for j in js], size, [seeds[j] for j in js])
+        tokens += int(lengths.sum())
+        for j, group in zip(js, got):
+            groups[j] = group
+    estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
+    informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
+    kept = [x for x, useful in zip(groups, informative) if useful or not cfg.dynamic_sampling]
+    # The statistics of brorl.sample_step_groups: each group's rewards (1, n_j), one round.
+    stats = dict(groups_generated=B, groups_survived=len(kept), groups_kept=len(kept), rounds=1,
+                 rewards=[x.rewards[None] for x in groups], tokens=tokens,
+                 alloc_n_min=min(n), alloc_n_median=torch.tensor(n).double().quantile(0.5).item(),
+                 alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
+                 rollouts_dropped=sum(s for s, useful in zip(n, informative) if not useful)
+                 if cfg.dynamic_sampling else 0)
+    if cfg.task in ("keys", "sets"):  # Train = eval here: log the prompts a rollout got right.
+        stats["sampled_right"] = [x.example["prompt"] for x in groups if x.rewards.max() > 0]
+    return kept, stats

@@ -68,20 +68,26 @@ def with_outside(logp: torch.Tensor) -> torch.Tensor:
 
 class Snapshot:
     """What a step's mass balance needs before (and again after) its updates: the trained prompts'
-    whole answer distributions and the log Q of the other prompts followed (the exact-Q set's)."""
+    whole answer distributions and the log Q of the other prompts followed (the exact-Q set's).
+    kept: the step's Groups; followed: the prompts followed, those of kept excepted."""
 
-    def __init__(self, model, tok, cfg, trained: list, others: list, space: list):
-        self.logp = answers.distribution(model, tok, trained, space, cfg.temperature,
+    def __init__(self, model, tok, cfg, kept: list, followed: list):
+        trained = [k.example for k in kept]
+        trained_prompts = {x["prompt"] for x in trained}
+        others = [x for x in followed if x["prompt"] not in trained_prompts]
+        self.space = answers.space(cfg.task)
+        self.logp = answers.distribution(model, tok, trained, self.space, cfg.temperature,
                                          cfg.system_prompt)  # (G, A)
         self.others_log_q = exact_log_mass(model, tok, others, cfg.temperature,
                                            cfg.system_prompt)  # (O,) the right values' sequences
 
 
-def records(before: Snapshot, after: Snapshot, kept: list, keep: torch.Tensor, space: list) -> dict:
+def records(before: Snapshot, after: Snapshot, kept: list, keep: torch.Tensor) -> dict:
     """The step's mass balance: per trained group its four parts' mass before and after, the
     theorem's terms and the measured change of Q; and the mean change of log10 Q of the other
     prompts. kept: the step's Groups; keep (G, m): the rollouts of each that the update trained on.
     The per-group list goes to metrics.jsonl under "balance_groups"."""
+    space = before.space
     index = {a: i for i, a in enumerate(space)}
     right = answers.right_mask([k.example for k in kept], space)  # (G, A)
     right = torch.cat([right, torch.zeros(len(kept), 1, dtype=torch.bool)], 1)  # outside: wrong

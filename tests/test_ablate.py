@@ -11,7 +11,7 @@ import torch
 
 from tools import ablate
 import brorl
-from lib import policy
+from lib import diagnostics, policy
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
         "--probe_prompts", "2", "--probe_samples", "8", "--max_rows", "256", "--save", "0"]
@@ -103,7 +103,8 @@ def test_probe_uses_probe_samples_whatever_n(monkeypatch):
     cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
     sizes, generate = [], brorl.generate
     monkeypatch.setattr(brorl, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
-    q, m = brorl.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0))
+    q, m = diagnostics.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0),
+                                   brorl.sample_share)
     assert sizes == [7] and q.shape == (3,)
     assert torch.allclose(q * 7, (q * 7).round(), atol=1e-5)  # pass rates of 7 samples
     assert math.isclose(m["mass_mean"], q.double().mean().item(), rel_tol=1e-6)

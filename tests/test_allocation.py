@@ -233,7 +233,7 @@ def test_uniform_rule_never_touches_the_allocation(tmp_path, monkeypatch):
     is logged; the step's metrics are step_metrics' of the one-N path."""
     def never(*a, **k):
         raise AssertionError("the allocation ran under --alloc uniform")
-    monkeypatch.setattr(brorl, "sample_allocated_groups", never)
+    monkeypatch.setattr(allocation, "sample_allocated_groups", never)
     monkeypatch.setattr(allocation, "Estimate", never)
     rows = brorl.train(brorl.parse_config(["--steps", "2", "--eval_every", "2", "--out",
                                            str(tmp_path / "u"), "--device", "cpu", *SMALL]))

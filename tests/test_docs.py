@@ -33,7 +33,8 @@ RESULTS = "docs/results"  # the results book: one page a question, an index, an 
 DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
-           "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config")
+           "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
+           "diagnostics", "allocation")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -685,7 +686,7 @@ NARROW_FILES = ["brorl.py", "sampler.py", "kernels.py", "verify.py", "data.py", 
                 "lib/samples.py", "lib/tasks.py", "lib/config.py", "lib/policy.py",
                 "lib/distributed.py", "lib/planner.py", "lib/allocation.py", "lib/harness.py",
                 "lib/setup.py", "lib/rundir.py", "lib/checkpoint.py", "lib/steplog.py",
-                "lib/evalonly.py"]
+                "lib/evalonly.py", "lib/diagnostics.py"]
 
 
 def test_the_files_a_learner_reads_fit_100_columns():

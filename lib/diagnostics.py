@@ -1,0 +1,78 @@
+"""
+diagnostics.py: what each evaluation measures beyond pass@k, the correct mass that BroRL's theory
+is about (docs/paper.md §3). brorl.train calls Diagnostics.measure right after brorl.evaluate, on
+the same random stream, and logs its metrics in the same row:
+  - the probe's Q (probe_mass): each probe prompt's correct mass Q(x), estimated by the pass rate
+    of --probe_samples rollouts, and how many prompts rose or fell since step 0;
+  - the exact Q (lib/mass.py): Q(x) computed, not sampled, where the right answer is one token
+    sequence (the arith, keys and sets tasks), with its zones;
+  - with --alloc adaptive, the estimate's calibration against the exact Q (lib/allocation.py);
+  - with --answer_prompts (sets task), every answer's probability and Figure 3's measures
+    (lib/answers.py).
+Sampling goes through brorl.sample_share, passed in by the caller: lib/ never imports brorl.
+"""
+
+from lib import allocation, answers, distributed, mass
+from sampler import draw_seeds
+
+
+def probe_mass(model, tok, probe, cfg, gen, sample, start=None) -> tuple:
+    """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples
+    rollouts at the training temperature (not N, so that runs with different N are measured
+    alike). Per prompt, it is an analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises
+    with it (docs/paper.md §3). sample is brorl.sample_share. Returns Q (P,) and the metrics,
+    with the shares of prompts whose Q rose or fell since `start` (Q at step 0) when given."""
+    seeds = draw_seeds(gen, len(probe))
+    # Each prompt's pass rate over its samples. (P,)
+    q = sample(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg,
+               seeds)[2].mean(1)
+    m = {"mass_mean": q.mean().item()}
+    if start is not None:
+        delta = q - start  # (P,)
+        m.update(mass_rose=(delta > 0).float().mean().item(),
+                 mass_fell=(delta < 0).float().mean().item(),
+                 mass_worst_drop=max(0.0, -delta.min().item()))
+    return q, m
+
+
+class Diagnostics:
+    """The prompts each diagnostic follows, fixed for the whole run, and what it carries between
+    evaluations (the first answer distribution). estimate: --alloc adaptive's, or None."""
+
+    def __init__(self, cfg, run, estimate=None):
+        self.cfg, self.out, self.estimate = cfg, run.out, estimate
+        # The probe's prompts, and those whose exact Q is computed (the latter also followed by
+        # --mass_balance when a step does not train them).
+        self.probe, self.exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(
+            cfg, run.eval_set)
+        # Each training prompt's position: where the estimate keeps an eval prompt's Q.
+        self.position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
+        # The sets task's answer distributions: their prompts, each prompt's right answers, and
+        # the first evaluation's distribution (from disk when a run resumes).
+        self.answer_set, self.space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
+        self.right = answers.right_mask(self.answer_set, self.space)
+        self.first = answers.load_first(run.out)
+
+    def measure(self, model, tok, gen, sample, step, q_start=None) -> tuple:
+        """This evaluation's diagnostics of model: their metrics, and the probe's Q (P,). gen is
+        the evaluation's random stream, after brorl.evaluate; sample is brorl.sample_share."""
+        cfg = self.cfg
+        q, m = probe_mass(model, tok, self.probe, cfg, gen, sample, start=q_start)
+        # The exact Q and its zones (lib/mass.py).
+        m.update(mass.exact_mass(model, tok, self.exact_set, cfg))
+        if step == 0 and self.exact_set:
+            # Whose exact Q each position of mass_exact_log10 holds, written once.
+            m["mass_exact_prompts"] = [x["prompt"] for x in self.exact_set]
+        if self.estimate is not None and "mass_exact_log10" in m:
+            # The allocation's estimate of Q against the exact Q.
+            positions = [self.position.get(x["prompt"]) for x in self.exact_set]
+            m.update(allocation.calibration(self.estimate, positions, m["mass_exact_log10"]))
+        if self.answer_set:
+            # Every answer's probability and Figure 3's measures (lib/answers.py). (P, A)
+            logp = answers.distribution(model, tok, self.answer_set, self.space,
+                                        cfg.temperature, cfg.system_prompt)
+            self.first = logp if self.first is None else self.first
+            m.update(answers.eval_metrics(logp, self.right, self.first))
+            if distributed.is_main():
+                answers.save(self.out, step, logp, self.answer_set)
+        return m, q

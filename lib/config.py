@@ -314,11 +314,11 @@ PRESETS = {
 
 # Flags that --resume cannot change: the checkpoint's restored state decides them (the random
 # streams drawn from --seed, the weights rather than --model, the probe's step-0 mass per held-out
-# problem). The rest take effect on resume; the learning rate and weight decay too (load_optimizer
-# sets them).
+# problem, the first eval's answer distributions in answers/). The rest take effect on resume; the
+# learning rate and weight decay too (load_optimizer sets them).
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts",
-                   "probe_prompts", "mass_prompts", "gate_small_n", "gate_large_n", "init_from",
-                   "init_optimizer", "long_prompts")
+                   "probe_prompts", "mass_prompts", "answer_prompts", "gate_small_n",
+                   "gate_large_n", "init_from", "init_optimizer", "long_prompts")
 
 
 def check_device(device: str) -> str:

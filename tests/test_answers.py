@@ -3,6 +3,7 @@ answer's probability against the model's full logits (brute force, one answer at
 against the sampler's rates (binomial error), the Figure 3 measures by hand; the mass balance's
 terms (lib/balance.py) against the softmax's own first-order change; a run that logs both."""
 
+import dataclasses
 import json
 import math
 
@@ -162,3 +163,21 @@ def test_a_sets_run_logs_the_answer_distribution_and_the_mass_balance(tmp_path):
     right = answers.right_mask([by_prompt[p] for p in now["prompts"]], answers.space("sets"))
     want = answers.measures(now["logp"], right, first["logp"])["right_rose"].mean().item()
     assert abs(last["answers_right_rose"] - want) < 1e-6
+
+
+def test_resume_refuses_another_answer_set(tmp_path, capsys):
+    """The first eval's answer distributions (answers/step-000000.pt) are what every later eval's
+    rose and worst drop compare with, prompt by prompt: a resumed run with another --answer_prompts
+    would fail at its first eval, after its training steps. It is refused in one line, before any
+    work; the same value is taken."""
+    run = tmp_path / "run"
+    cfg = brorl.parse_config(["--preset", "sets", "--answer_prompts", "4", "--out", str(run)])
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "trainer_state.pt").write_bytes(b"")  # parse_config only looks for it
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert brorl.parse_config(["--resume", str(run), "--answer_prompts", "4"]).answer_prompts == 4
+    for n in ("8", "2", "0"):
+        with pytest.raises(SystemExit) as stop:
+            brorl.parse_config(["--resume", str(run), "--answer_prompts", n])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"--answer_prompts {n} with --resume" in err, err

@@ -25,6 +25,16 @@ def test_welch_against_known_values():
         assert abs(t - crit) < 1e-9 and abs(p - 0.05) < 2e-3, (df, t, p)
 
 
+def test_welch_at_one_and_two_degrees_of_freedom():
+    """Two seeds an arm: Welch's df falls to 1 (one arm without spread) or 2, where the t
+    distribution's tails are heavy (at df 1, P(|T| > 200) is 0.003) and its two-sided p has a
+    closed form: 1 - 2 atan(|t|) / pi (Cauchy), 1 - |t| / sqrt(2 + t^2)."""
+    t, p = study.welch([0.0, 2.0], [10.0, 10.0])  # df = 1: t = -9
+    assert t == -9 and abs(p - (1 - 2 * math.atan(9) / math.pi)) < 1e-6, p
+    t, p = study.welch([0.0, 2.0], [5.0, 7.0])  # df = 2: t = -5 / sqrt(2)
+    assert abs(p - (1 - abs(t) / math.sqrt(2 + t * t))) < 1e-6, (t, p)
+
+
 def test_reach_separates_below_the_gate_from_never_sampled_right():
     """Four prompts: two below the gate at the start, of which one was sampled right; one in the gate
     never sampled right that sank below it."""

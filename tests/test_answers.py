@@ -133,6 +133,31 @@ def test_theorem_terms_are_the_softmax_first_order_change():
         assert t["term1"] >= -1e-15 and t["term2"] >= -1e-15  # never negative (the theorem)
 
 
+def test_theorem_terms_against_a_gradient_step_on_free_logits():
+    """The oracle is autograd: the logits z = log p take one small gradient ascent step on the
+    surrogate sum of R_i p_i over the distinct drawn answers (rewards centred by the group's mean),
+    and the softmax's change of Q, and of the unsampled right mass, over eta is Theorem 1's three
+    terms summed, and pred_du_pos, to first order in eta."""
+    gen, eta = torch.Generator().manual_seed(1), 1e-6
+    for trial in range(20):
+        p = torch.rand(41, generator=gen, dtype=torch.float64) ** 4
+        p /= p.sum()
+        right = torch.rand(41, generator=gen) < 0.4
+        drawn = torch.randperm(41, generator=gen)[: 1 + trial % 7].tolist()
+        r = float(torch.rand(1, generator=gen))
+        t, sets = balance.theorem_terms(p, right, drawn, mean_reward=r)
+        z = p.log().requires_grad_()
+        reward = torch.zeros(41, dtype=torch.float64)
+        reward[drawn] = torch.where(right[drawn], 1 - r, -r).double()
+        (grad,) = torch.autograd.grad((reward * z.softmax(0)).sum(), z)
+        p1 = (z + eta * grad).softmax(0).detach()  # (41,)
+        dq = (p1[right].sum() - p[right].sum()).item() / eta
+        du = (p1[sets["U_pos"]].sum() - p[sets["U_pos"]].sum()).item() / eta
+        scale = max(abs(dq), 1e-3)
+        assert abs(dq - (t["term1"] + t["term2"] + t["term3"])) < 1e-3 * scale, (trial, dq, t)
+        assert abs(du - t["pred_du_pos"]) < 1e-3 * max(abs(du), 1e-3), (trial, du, t)
+
+
 def test_a_sets_run_logs_the_answer_distribution_and_the_mass_balance(tmp_path):
     """--preset sets --mass_balance 1: every eval logs Figure 3's measures over 4 prompts and saves
     their distribution; every step with an update logs each trained group's four parts and the

@@ -2,9 +2,11 @@
 allocation_study.py: --alloc adaptive against uniform breadth, at equal CPU seconds. Every run is a
 `python brorl.py` in a subprocess, one thread (OMP_NUM_THREADS=1, tools/ablate.py's thread_env),
 from the shipped warm start, trained for --budget seconds of process CPU time (--budget_clock cpu:
-another job's load cannot shorten it), evaluated at its start and its end only. Three arms, each
-drawing 512 rollouts a sampling round, on the keys task (one right answer a prompt) and the sets
-task (16 right values a prompt, each rare), --seeds a arm:
+another job's load cannot shorten it), evaluated at its start and its end only. Three arms with
+B x N = 512, on the keys task (one right answer a prompt) and the sets task (16 right values a
+prompt, each rare), --seeds a arm. Only adaptive draws exactly 512 rollouts a step: a uniform round
+asks for ceil(B / keep rate) prompts, at most 4B, and further rounds follow until B groups survive
+(in the committed runs a median of about 1,300-1,600 rollouts a step at N = 16, 1,024 at N = 512):
 
   adaptive  --alloc adaptive, B = 32 candidates, R = 512 a step, 4 <= n <= 256 (one round a step)
   N=16      uniform N = 16, B = 32 (B x N = R; dynamic sampling draws more rounds to fill B)
@@ -44,7 +46,7 @@ from tools.theorem1_study import mann_whitney, welch
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "allocation"
-ARMS = {  # name: flags; every arm draws 512 rollouts a round
+ARMS = {  # name: flags; B x N (adaptive: R) = 512 in every arm
     "adaptive": ["--alloc", "adaptive", "--prompts_per_step", "32", "--rollout_budget", "512",
                  "--min_rollouts", "4", "--max_rollouts", "256"],
     "N=16": ["--n_rollouts", "16", "--prompts_per_step", "32"],

@@ -104,7 +104,9 @@ def eval_metrics(logp: torch.Tensor, right: torch.Tensor, first: torch.Tensor = 
     out = {f"answers_{k}": v.mean().item() for k, v in m.items()}
     out["answers_worst_drop_max"] = m["right_worst_drop"].max().item() if first is not None else 0.0
     out.update({f"answers_pass@{k}": pass_at_k(m["q"], k).mean().item() for k in PASS_K})
-    out["answers_log10_q_per_prompt"] = [round(x, 4) for x in (m["q"].log10()).tolist()]
+    # log10 Q per prompt; a Q that underflowed to 0 is written as -324 (JSON has no -Infinity)
+    log10_q = m["q"].log10().clamp(min=-324)  # (P,)
+    out["answers_log10_q_per_prompt"] = [round(x, 4) for x in log10_q.tolist()]
     for k in ("right_rose", "right_worst_drop", "entropy"):
         if k in m:
             out[f"answers_{k}_per_prompt"] = [float(f"{x:.4g}") for x in m[k].tolist()]

@@ -108,7 +108,8 @@ def records(before: Snapshot, after: Snapshot, kept: list, keep: torch.Tensor) -
     return {"balance_groups": groups,
             "balance_term3_neg": sum(x["term3"] < 0 for x in groups) / max(len(groups), 1),
             "balance_du_pos_mean": sum(du) / max(len(du), 1),
-            "balance_du_pos_fell": sum(d < 0 for d in du) / max(len(du), 1),
+            # over the groups that left right mass unsampled, as the sign's agreement below
+            "balance_du_pos_fell": sum(d < 0 for _, d in with_u) / max(len(with_u), 1),
             "balance_sign_agree": sum((x["pred_du_pos"] < 0) == (d < 0) for x, d in with_u)
             / max(len(with_u), 1),
             "balance_dq_trained": sum(x["q_after"] - x["q_before"] for x in groups)

@@ -34,8 +34,8 @@ CANONICAL_TASKS = ("arith", "keys", "sets")  # tasks whose right answers are lis
 def prompt_set(cfg, eval_set) -> list:
     """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts
     training prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair
-    prompt by prompt); none unless every one has a canonical answer (the integer rule's tasks:
-    arith, keys)."""
+    prompt by prompt); none unless every one has listed right answers (the integer rule's tasks:
+    arith, keys, sets)."""
     if cfg.task not in CANONICAL_TASKS:
         return []
     try:

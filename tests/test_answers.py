@@ -206,3 +206,13 @@ def test_resume_refuses_another_answer_set(tmp_path, capsys):
             brorl.parse_config(["--resume", str(run), "--answer_prompts", n])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and f"--answer_prompts {n} with --resume" in err, err
+
+
+def test_eval_metrics_are_plain_json_when_q_underflows():
+    """A prompt whose right answers all underflow to probability 0 is logged at log10 Q = -324, not
+    -Infinity (metrics.jsonl is strict JSON)."""
+    logp = torch.tensor([[0.0, -1e4], [-1.0, -2.0]], dtype=torch.float64)
+    right = torch.tensor([[False, True], [True, False]])
+    m = answers.eval_metrics(logp, right, logp)
+    assert m["answers_log10_q_per_prompt"][0] == -324
+    json.dumps(m, allow_nan=False)

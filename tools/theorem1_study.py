@@ -159,7 +159,8 @@ def sets_measures(rows: list) -> dict:
         has_u = [(g, d) for g, d in zip(groups, du) if g["U_pos_before"] > 0]
         m.update(groups=len(groups), term3_neg=sum(g["term3"] < 0 for g in groups) / len(groups),
                  u_pos2=statistics.mean(g["U_pos2"] for g in groups),
-                 du_pos_mean=statistics.mean(du), du_pos_fell=sum(d < 0 for d in du) / len(du),
+                 du_pos_mean=statistics.mean(du),
+                 du_pos_fell=sum(d < 0 for _, d in has_u) / max(len(has_u), 1),
                  u_pos_share=statistics.mean(g["U_pos_before"] / max(g["q_before"], 1e-300)
                                              for g in groups),
                  sign_agree=sum((g["pred_du_pos"] < 0) == (d < 0) for g, d in has_u)

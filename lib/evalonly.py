@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lib import distributed, mass
+from lib import answers, distributed, mass
 from lib.policy import autocast
 from lib.rundir import make_run_dir, write_atomic
 from lib.setup import eval_generator, setup, stop_on_ctrl_c
@@ -30,6 +30,11 @@ def eval_only(cfg, evaluate) -> dict:
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
         # the testbed's zones
         m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, eval_set), cfg))
+        if cfg.answer_prompts:  # the sets task: every answer of its first prompts (lib/answers.py)
+            answer_set, space = eval_set[: cfg.answer_prompts], answers.space(cfg.task)
+            logp = answers.distribution(model, tok, answer_set, space, cfg.temperature,
+                                        cfg.system_prompt)  # (P, A)
+            m.update(answers.eval_metrics(logp, answers.right_mask(answer_set, space)))
     report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set),
                          time.perf_counter() - t0)
     if distributed.is_main():
@@ -42,6 +47,11 @@ def eval_only(cfg, evaluate) -> dict:
                   f"Q >= 1/{cfg.gate_small_n}: "
                   f"{m['mass_exact_high']}, gate: {m['mass_exact_gate']}, Q < "
                   f"1/{cfg.gate_large_n}: {m['mass_exact_low']}")
+        if "answers_q" in m:
+            print(f"every answer of {cfg.answer_prompts} prompts (lib/answers.py): mean Q "
+                  f"{m['answers_q']:.4g}, mass outside the answers {m['answers_outside']:.2g}, "
+                  f"entropy {m['answers_entropy']:.3g} nats, exact pass@1024 "
+                  f"{m['answers_pass@1024']:.3f}")
         lock.release()
     stop_on_ctrl_c("")
     distributed.teardown()
@@ -63,6 +73,9 @@ def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
         if "mass_exact_mean" in m:  # lib/mass.py: per prompt, and its summary
             benchmarks[name]["exact_mass"] = {k[len("mass_exact_"):]: v for k, v in m.items()
                                               if k.startswith("mass_exact_")}
+        if "answers_q" in m:  # lib/answers.py: every answer of --answer_prompts prompts
+            benchmarks[name]["answers"] = {k[len("answers_"):]: v for k, v in m.items()
+                                           if k.startswith("answers_")}
     sampling = dict(temperature=0.6, top_p=0.95, samples=cfg.eval_samples,
                     max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens, seed=cfg.seed)
     return dict(model=cfg.model, sampling=sampling, seconds=round(seconds, 2),

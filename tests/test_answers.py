@@ -216,3 +216,17 @@ def test_eval_metrics_are_plain_json_when_q_underflows():
     m = answers.eval_metrics(logp, right, logp)
     assert m["answers_log10_q_per_prompt"][0] == -324
     json.dumps(m, allow_nan=False)
+
+
+def test_eval_only_measures_a_testbed_s_answer_distribution(tmp_path, capsys):
+    """--eval_only --answer_prompts: the warm start's answer distribution measured before any run,
+    printed and written to eval.json."""
+    out = tmp_path / "eval"
+    report = brorl.evalonly.eval_only(brorl.parse_config(
+        ["--preset", "sets", "--eval_only", "1", "--eval_prompts", "8", "--eval_samples", "2",
+         "--answer_prompts", "3", "--probe_prompts", "2", "--out", str(out)]), brorl.evaluate)
+    assert "every answer of 3 prompts" in capsys.readouterr().out
+    m = json.loads((out / "eval.json").read_text())
+    answers_m = m["benchmarks"]["sets"]["answers"]
+    assert 0 < answers_m["q"] < 1 and len(answers_m["log10_q_per_prompt"]) == 3
+    assert answers_m["pass@1024"] >= answers_m["pass@1"] and report["benchmarks"] == m["benchmarks"]

@@ -582,20 +582,28 @@ def answer_logprobs(model, tok, prompts: list[str], answers: list[str]) -> torch
     return (logp.gather(-1, ids[:, 1:, None])[..., 0] * mask).sum(1)  # (B,)
 
 
+def lookup_setup(cfg: WarmStart, task: str) -> tuple:
+    """What the keys and sets warm starts share: the tokenizer, the seeded model, AdamW with a
+    linear warmup then constant lr, the task's own random stream, the CPU clock's start."""
+    torch.set_num_threads(cfg.threads)
+    tok = build_tokenizer()
+    model = build_model(tok, cfg.seed)
+    print(f"warm start ({task}) -> {cfg.out}: "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 1.0))
+    rng = random.Random(f"warmstart-{task}-{cfg.seed}")
+    return tok, model, opt, sched, rng, time.process_time()
+
+
 def warm_start_keys(cfg: WarmStart):
     """The keys model: supervised in expectation, every value of a batch's prompts weighted (phase
     1: the right value alone; then 1/5 each; then the right value p_right, each decoy
     (1 - p_right) / 4), so the loss is the expected sequence cross-entropy. Report: the exact
     right mass Q of every prompt, its spread and zones."""
-    torch.set_num_threads(cfg.threads)
-    tok, problems = build_tokenizer(), keys_problems()
-    model = build_model(tok, cfg.seed)
-    print(f"warm start (keys) -> {cfg.out}: "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    problems = keys_problems()
+    tok, model, opt, sched, rng, t0 = lookup_setup(cfg, "keys")
     steps = cfg.steps_addition + cfg.steps_equal + cfg.steps_mixture
-    rng, t0 = random.Random(f"warmstart-keys-{cfg.seed}"), time.process_time()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 1.0))
 
     def weights(p, step):  # (5,): the right value, then the decoys
         if step < cfg.steps_addition:
@@ -637,15 +645,9 @@ def warm_start_sets(cfg: WarmStart):
     p_right (each value an equal share), the decoys 1 - p_right - SETS_BACKGROUND, the background
     SETS_BACKGROUND over every other value (8 of them drawn a prompt a step: unbiased). Report: each
     prompt's exact Q (the right values' mass, summed) and its spread over the zones."""
-    torch.set_num_threads(cfg.threads)
-    tok, problems = build_tokenizer(), sets_problems()
-    model = build_model(tok, cfg.seed)
-    print(f"warm start (sets) -> {cfg.out}: "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {asdict(cfg)}")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    problems = sets_problems()
+    tok, model, opt, sched, rng, t0 = lookup_setup(cfg, "sets")
     steps = cfg.steps_addition + cfg.steps_mixture
-    rng, t0 = random.Random(f"warmstart-sets-{cfg.seed}"), time.process_time()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / cfg.warmup, 1.0))
     n_background = 8
 
     def rows_of(p, step):  # (value, weight) pairs of one prompt at this step

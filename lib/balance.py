@@ -16,7 +16,13 @@ and the free-logit model's first-order change of the unsampled right mass, dz_j 
 dp_j = p_j (dz_j - sum_k p_k dz_k), summed over U and P (up to the same positive factor eta/N).
 A transformer is not free logits: its update moves every prompt through shared weights, and several
 mini-batch steps of AdamW are not one gradient step. So the record also holds the change of Q of the
-answer set's prompts that were not in the step: what the other prompts' updates did to them.
+exact-Q set's prompts that were not in the step: what the other prompts' updates did to them.
+
+Two approximations, both small under --preset sets. A sampled response is matched to the space by
+its text: one the integer rule accepts in another spelling (" 123", "0123") is rewarded right but
+counted in the outside mass, which is wrong; with 4 new tokens at most (the preset's) no such
+response fits. And a prompt drawn in two rounds of one step is two groups, whose measured change
+is their joint one.
 """
 
 import math

@@ -79,15 +79,15 @@ class Config:
                                            # local dir (default: the embedded tiny model)
     task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a
                          # .jsonl/.json/.parquet path or hub id[:config][@split]
-    eval_task: str = ""  # a separate held-out source, same syntax, all its rows (default: --task's
-                         # held-out split)
-    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set (else
-                                # refused: not held out)
-    system_prompt: str = ""  # system message before each prompt, which needs a chat template
-                             # (default: none)
+    eval_task: str = ""  # a separate held-out source, same syntax, all its rows
+                         # (default: --task's held-out split)
+    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set
+                                # (else refused: not held out)
+    system_prompt: str = ""  # system message before each prompt,
+                             # which needs a chat template (default: none)
     digits: int = 3  # arith: digits per operand (the difficulty knob)
-    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32. auto: fp32 CPU,
-                         # bf16 CUDA
+    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32.
+                         # auto: fp32 CPU, bf16 CUDA
     device: str = "auto"  # auto = cuda if available else cpu
     seed: int = 0  # seeds prompts, sampling and init of everything random
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
@@ -95,8 +95,8 @@ class Config:
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
     max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are the full
-                        # tempered softmax's
+    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are
+                        # the full tempered softmax's
     max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
     long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
     # Dynamic sampling, as DAPO's.
@@ -108,8 +108,8 @@ class Config:
     # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
     # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
     # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
-    alloc: str = "uniform"  # uniform (N a prompt) or adaptive (R a step by each prompt's Q; PODS:
-                            # min(m, n))
+    alloc: str = "uniform"  # uniform (N a prompt) or adaptive
+                            # (R a step by each prompt's Q; PODS: min(m, n))
     rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
     min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
     max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
@@ -119,12 +119,12 @@ class Config:
     # its responses with response, or by each group's std with group (GRPO's).
     adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
     # The policy update.
-    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k) for a 1.5B model;
-                      # 5e-4 here overshoots)
+    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
+                      # for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
     n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
-    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient; lowered to fit
-                            # --memory_gb
+    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient;
+                            # lowered to fit --memory_gb
     # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
     # shares the base model.
     lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
@@ -139,50 +139,50 @@ class Config:
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant;
     # the README gives each one's command.
     loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
-    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper, arXiv
-                                 # 2507.18071: 3e-4)
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper,
+                                 # arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
     clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4); CISPO's eps_high
-                             # on its weight
-    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss is at
-                               # most -c*A; need c > 1
+    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4);
+                             # CISPO's eps_high on its weight
+    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss
+                               # is at most -c*A; need c > 1
     # Truncated importance sampling corrects for the sampler's numerics differing from the
     # trainer's (its weight is 1 with --old_logp sampler).
-    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C) (C = 2 as verl's
-                          # examples); 0: off
+    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C)
+                          # (C = 2 as verl's examples); 0: off
     # The loss's aggregation. token: the mean over the mini-batch's tokens (DAPO); sequence: each
     # row's mean, then the mean over rows (GSPO's); constant: the sum / (max_new_tokens x the
     # mini-batch's rows), a normaliser no response changes (Dr. GRPO).
-    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo (its
-                            # paper's), else token
+    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo
+                            # (its paper's), else token
     kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
     ref_reset_every: int = 100  # steps between reference resets to the current policy
     grad_clip: float = 1.0  # max global grad norm
-    # The math verifier: rules (verify.py), math_verify, or both, correct if either accepts (the
-    # paper's).
-    verifier: str = "auto"  # rules, math_verify, both; auto: both if math-verify is installed, else
-                            # rules
+    # The math verifier: rules (verify.py), math_verify, or both, correct if either accepts
+    # (the paper's).
+    verifier: str = "auto"  # rules, math_verify, both;
+                            # auto: both if math-verify is installed, else rules
     # The schedule, the evaluation and the output.
     steps: int = 100  # training steps (the most, with --time_budget)
-    time_budget: float = 0.0  # seconds of training (evaluations excluded); stop at the first step
-                              # past it (0: off)
+    time_budget: float = 0.0  # seconds of training (evaluations excluded);
+                              # stop at the first step past it (0: off)
     budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time:
                                 # others' load cannot inflate it)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_seed: int = 0  # draws the held-out problems (eval and probe), apart from --seed: every
-                        # seed scores the same ones
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased; paper
-                            # 16)
+    eval_seed: int = 0  # draws the held-out problems (eval and probe),
+                        # apart from --seed: every seed scores the same ones
+    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean,
+                            # pass@k unbiased; paper 16)
     eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt, whatever N is: Q(x) is measured alike
-                              # across N
+    probe_samples: int = 512  # samples per probe prompt, whatever N is:
+                              # Q(x) is measured alike across N
     mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the
                            # eval set; n > 0 n train prompts
-    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high; 1/gate_large_n <= Q < 1/this is
-                            # the gate; below, low
+    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high;
+                            # 1/gate_large_n <= Q < 1/this is the gate; below, low
     gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
     # The sets task: every answer's exact probability (lib/answers.py) for the first n eval prompts
     # at every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread).
@@ -190,30 +190,30 @@ class Config:
     # The sets task, one process: each trained group's mass balance and Theorem 1's terms
     # (lib/balance.py).
     mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
-    sample_prompts: int = 4  # held-out prompts whose responses each eval writes to samples.jsonl
-                             # (lib/samples.py)
+    sample_prompts: int = 4  # held-out prompts whose responses each eval writes
+                             # to samples.jsonl (lib/samples.py)
     sample_responses: int = 4  # responses kept per prompt: the eval's first, and with
                                # --sample_groups the trained ones'
-    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl, with their
-                            # advantages
-    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%, on a CPU
-                            # the machine's RAM
-    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit, loading
-                        # no weights
-    save: bool = True  # checkpoint to <out>/ckpt at every eval: the policy (HF format) + what
-                       # --resume needs
+    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl,
+                            # with their advantages
+    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%,
+                            # on a CPU the machine's RAM
+    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit,
+                        # loading no weights
+    save: bool = True  # checkpoint to <out>/ckpt at every eval:
+                       # the policy (HF format) + what --resume needs
     out: str = ""  # run directory (default: runs/<task>-<time>)
     report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb
                              # (lib/report.py)
-    resume: str = ""  # run directory to continue from its checkpoint: its config.json, then the
-                      # flags given
-    init_from: str = ""  # a run directory (or its ckpt/): start from its policy, at step 0, in a
-                         # new run directory
+    resume: str = ""  # run directory to continue from its checkpoint: its config.json,
+                      # then the flags given
+    init_from: str = ""  # a run directory (or its ckpt/): start from its policy,
+                         # at step 0, in a new run directory
     init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are
                                   # this run's); else a fresh AdamW
     preset: str = ""  # a named bundle of overrides, applied before the other flags
-    eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json, train
-                             # nothing
+    eval_only: bool = False  # evaluate --model on the held-out set,
+                             # write <out>/eval.json, train nothing
 
 
 
@@ -383,8 +383,8 @@ def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------
-# Policy update: the loss per token (r, T) of r response rows, its normaliser, and the loop over
-# mini-batches.
+# Policy update: the loss per token (r, T) of r response rows, its normaliser, and the loop
+# over mini-batches.
 
 
 def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None,
@@ -507,8 +507,8 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
                                             ((ratio - 1).abs() * mask).max().item())
         norm = clip_gradients(model, cfg.grad_clip)  # over all ranks' gradients
         if not math.isfinite(norm):  # Never step on a NaN or inf gradient.
-            raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; it was not "
-                                     f"applied")
+            raise FloatingPointError(f"gradient norm is {norm} in mini-batch {k}; "
+                                     "it was not applied")
         grad_norm += norm / len(minibatches)
         opt.step()
     opt.zero_grad(set_to_none=True)  # Otherwise the gradients would sit through the next rollout.

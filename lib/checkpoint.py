@@ -34,7 +34,7 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-            # last, and renamed: its name marks the temp dir whole
+            # The trainer state is written last and renamed: its name marks the temp dir whole.
             torch.save(state, tmp / "trainer_state.part")
             os.replace(tmp / "trainer_state.part", tmp / "trainer_state.pt")
     except BaseException as e:  # a full disk (one line), Ctrl-C, any error: no half-written temp
@@ -76,8 +76,8 @@ def read_trainer_state(ckpt: Path, cfg) -> dict:
         fail(f"--resume {cfg.resume}: {path} is unreadable "
              f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
     if cfg.steps <= step:
-        fail(f"--steps {cfg.steps} with --resume {cfg.resume}: its checkpoint is at step {step} "
-             f"already "
+        fail(f"--steps {cfg.steps} with --resume {cfg.resume}: "
+             f"its checkpoint is at step {step} already "
              f"(--steps counts from the run's start: give more than {step} to continue it)")
     return state
 
@@ -100,7 +100,7 @@ def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
     run = Path(path)
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
-    # a run directory (its config.json is brorl's, not a model's)
+    # A run directory: its config.json is brorl's, not a model's.
     if (run / "metrics.jsonl").is_file():
         left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
         fail(f"{flag} {path}: the run holds no ckpt/" + (

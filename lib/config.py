@@ -28,7 +28,7 @@ from lib.objectives import aggregation
 
 def fail(msg: str):
     """Stop the run with one line naming what was wrong (exit status 2, as argparse)."""
-    # on a line of its own, under a progress bar if one is drawn
+    # tqdm.write puts the message on a line of its own, under a progress bar if one is drawn.
     tqdm.write(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -127,12 +127,12 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
-        # the names from the presets themselves, so the help never falls behind
+        # The names come from the presets themselves, so the help never falls behind.
         if f.name == "preset":
             text += f"; one of {', '.join(presets)}"
         text += ("" if "(default:" in text
                  else f" (default: {'none' if f.default == '' else f.default})")
-        # --flag alone: true
+        # A bool flag given alone (--flag) means true.
         kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)
         parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
                             metavar=f.type.__name__.upper())
@@ -151,10 +151,9 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         overrides["out"] = overrides["resume"]
     elif not overrides.get("plan") and not overrides.get("eval_only") and overrides.get("out"):
         if held := held_run(Path(overrides["out"])):  # its metrics and checkpoint would be replaced
-            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): continue it "
-                         f"with --resume "
-                         f"{overrides['out']}, or give another --out (delete that directory to "
-                         f"start it over)")
+            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): "
+                         f"continue it with --resume {overrides['out']}, or give another --out "
+                         "(delete that directory to start it over)")
     cfg = config_cls(**{**base, **overrides})
     problem = check_config(cfg)
     if problem:
@@ -168,27 +167,27 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     Config lacks, no flag changed that the checkpoint fixes."""
     run = Path(overrides["resume"])
     if overrides.get("init_from"):
-        parser.error("--init_from starts a new run from a checkpoint; --resume continues one: not "
-                     "both")
+        parser.error("--init_from starts a new run from a checkpoint; --resume continues one: "
+                     "not both")
     if not (run / "config.json").is_file():
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
     if surviving_checkpoint(run) is None and (step := evaluated_step(run)):  # it was deleted
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'ckpt' / 'trainer_state.pt'}"
                      f" is missing, though step {step} was evaluated); start over in another --out")
-    # one directory may be spelled two ways
+    # One directory may be spelled two ways, so the resolved paths are compared.
     if Path(overrides.get("out", run)).resolve() != run.resolve():
         parser.error(f"--out {overrides['out']} and --resume {run} name different runs")
     if preset:
-        parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; change "
-                     f"single flags")
+        parser.error(f"--preset {preset} with --resume: a resumed run keeps its config; "
+                     "change single flags")
     base = read_json(run / "config.json", f"--resume {run}")
     notes = []  # said once every check has passed: the run's first lines
     if surviving_checkpoint(run) is None:  # stopped before its first checkpoint: nothing is lost
         notes.append(f"--resume {run}: no checkpoint yet (stopped before its first, or --steps 0); "
                      "starting it over from step 0 with its config.json")
     if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
-        parser.error(f"--resume {run}: its config.json has fields this brorl.py does not know: "
-                     f"{sorted(unknown)}")
+        parser.error(f"--resume {run}: its config.json has fields "
+                     f"this brorl.py does not know: {sorted(unknown)}")
     kinds = {f.name: (int, float) if f.type is float else f.type
              for f in dataclasses.fields(config_cls)}
     if bad := [k for k, v in base.items() if not isinstance(v, kinds[k])
@@ -346,7 +345,7 @@ def check_config(cfg) -> str:
     --grad_clip flips the gradient, --lr 0 trains nothing) or crash after training, before its
     checkpoint."""
     not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
-                  # inf passes a range below
+                  # An inf would pass a range check below, so it is caught here.
                   if f.type is float and not math.isfinite(getattr(cfg, f.name))]
     checks = [
         (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
@@ -358,14 +357,14 @@ def check_config(cfg) -> str:
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
         (cfg.grad_clip > 0,
-         f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 (below 0 it flips the "
-         f"gradient, 0 zeroes it)"),
+         f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 "
+         "(below 0 it flips the gradient, 0 zeroes it)"),
         (cfg.kl_coef >= 0, f"--kl_coef {cfg.kl_coef}: need >= 0 (0: no KL)"),
         (cfg.kl_coef == 0 or cfg.ref_reset_every >= 1,
          f"--ref_reset_every {cfg.ref_reset_every}: need >= 1 steps with --kl_coef > 0"),
         (0 <= cfg.clip_low < 1,
-         f"--clip_low {cfg.clip_low}: need 0 <= eps_low < 1 (the ratio's floor 1 - eps_low must "
-         f"stay above 0)"),
+         f"--clip_low {cfg.clip_low}: need 0 <= eps_low < 1 "
+         "(the ratio's floor 1 - eps_low must stay above 0)"),
         (cfg.clip_high >= 0, f"--clip_high {cfg.clip_high}: need >= 0"),
         (cfg.probe_prompts >= 1,
          f"--probe_prompts {cfg.probe_prompts}: need >= 1 (the probe's Q is logged at every eval)"),
@@ -382,15 +381,14 @@ def check_config(cfg) -> str:
         (cfg.alloc == "uniform" or cfg.train_rollouts == 0 or cfg.train_rollouts >= 2,
          f"--train_rollouts {cfg.train_rollouts}: need m >= 2 (0: all of each group)"),
         (cfg.alloc == "uniform" or 2 <= cfg.min_rollouts <= cfg.max_rollouts,
-         f"--min_rollouts {cfg.min_rollouts}, --max_rollouts {cfg.max_rollouts}: need 2 <= min <= "
-         f"max"),
+         f"--min_rollouts {cfg.min_rollouts}, --max_rollouts {cfg.max_rollouts}: "
+         "need 2 <= min <= max"),
         (cfg.alloc == "uniform" or cfg.min_rollouts * cfg.prompts_per_step
          <= (cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts)
          <= cfg.max_rollouts * cfg.prompts_per_step,
-         f"--rollout_budget {cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts}: need B "
-         f"x "
-         f"--min_rollouts <= R <= B x --max_rollouts (B = --prompts_per_step "
-         f"{cfg.prompts_per_step})"),
+         f"--rollout_budget {cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts}: "
+         "need B x --min_rollouts <= R <= B x --max_rollouts "
+         f"(B = --prompts_per_step {cfg.prompts_per_step})"),
         (cfg.rollout_budget >= 0, f"--rollout_budget {cfg.rollout_budget}: need >= 0 (0: B x N)"),
         (0 < cfg.alloc_decay <= 1,
          f"--alloc_decay {cfg.alloc_decay}: need 0 < decay <= 1 (1: no decay)"),
@@ -432,8 +430,8 @@ def check_config(cfg) -> str:
         (set(cfg.report_to.split(",")) <= {"none", "tensorboard", "wandb"},
          f"--report_to {cfg.report_to!r}: choose none, tensorboard, wandb, or tensorboard,wandb"),
         (not (cfg.eval_only and cfg.resume),
-         "--eval_only evaluates --model: give the run directory (or its ckpt/) "
-                                            "there, not --resume"),
+         "--eval_only evaluates --model: give the run directory (or its ckpt/) there, "
+         "not --resume"),
         # (--init_from with --resume on one command line is refused in resumed_config; a run started
         # with --init_from keeps it in config.json, and is resumed from its own checkpoint)
         (cfg.init_from or not cfg.init_optimizer,
@@ -449,9 +447,8 @@ def check_config(cfg) -> str:
         (not cfg.mass_balance or (cfg.task == "sets" and distributed.world_size() == 1),
          "--mass_balance: needs --task sets and one process (not torchrun)"),
         (1 <= cfg.gate_small_n < cfg.gate_large_n,
-         f"--gate_small_n {cfg.gate_small_n}, --gate_large_n " f"{cfg.gate_large_n}: need 1 <= "
-                                                               f"small < large (the gate is "
-                                                               f"1/large <= Q < 1/small)"),
+         f"--gate_small_n {cfg.gate_small_n}, --gate_large_n {cfg.gate_large_n}: "
+         "need 1 <= small < large (the gate is 1/large <= Q < 1/small)"),
         (cfg.lora_rank >= 0 and cfg.lora_alpha >= 0,
          f"--lora_rank {cfg.lora_rank}, --lora_alpha {cfg.lora_alpha}: need >= 0"),
         (cfg.lora_rank == 0 or distributed.world_size() == 1,
@@ -460,11 +457,10 @@ def check_config(cfg) -> str:
          f"--time_budget {cfg.time_budget}: need >= 0 seconds (0: no budget)"),
         (cfg.budget_clock in ("wall", "cpu"),
          f"--budget_clock {cfg.budget_clock!r}: choose wall or cpu"),
-        # each step's first round asks for at least B prompts: B / K of them, at least, on every
-        # rank
+        # Each step's first round asks for at least B prompts, so at least B / K on every rank.
         (cfg.prompts_per_step % distributed.world_size() == 0,
-         f"--prompts_per_step {cfg.prompts_per_step}: " f"must be a multiple of the "
-                                                        f"{distributed.world_size()} processes "
-                                                        f"(each samples its share of the prompts)"),
+         f"--prompts_per_step {cfg.prompts_per_step}: "
+         f"must be a multiple of the {distributed.world_size()} processes "
+         "(each samples its share of the prompts)"),
     ]
     return next((msg for ok, msg in checks if not ok), "")

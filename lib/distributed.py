@@ -154,7 +154,7 @@ def micro_batches(rows: torch.Tensor, n_groups: int, n, size: int) -> list:
     stops = torch.tensor([first(share(n_groups, k).stop) for k in range(K)])
     owner = torch.bucketize(rows.cpu(), stops, right=True)  # (len(rows),) the rank holding each row
     local = rows[(owner == rank()).to(rows.device)] - first(mine.start)  # (this rank's rows,)
-    # the busiest rank's
+    # Every rank runs as many micro-batches as the busiest rank's rows need.
     count = -(-int(torch.bincount(owner, minlength=K).max()) // size) if len(rows) else 0
     return [local[i * size: (i + 1) * size] for i in range(count)]
 
@@ -264,10 +264,11 @@ def shard(model, dtype=torch.float32):
             fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     for m in model.modules():
-        if isinstance(m, FSDPModule):  # SUM the gradients over ranks: each rank's loss is already
-            # weighted by the global normaliser (the default averages)
+        if isinstance(m, FSDPModule):
+            # SUM the gradients over ranks: each rank's loss is already weighted by the global
+            # normaliser (the default averages).
             m.set_gradient_divide_factor(1.0)
-            # a plain SUM (gloo has no pre-multiplied sum)
+            # A plain SUM (gloo has no pre-multiplied sum).
             m.set_force_sum_reduction_for_comms(True)
     # in_forward's entry: FSDP's pre/post-forward hooks around fn
     model.run_forward = lambda fn: fn()

@@ -28,7 +28,7 @@ def eval_only(cfg, evaluate) -> dict:
     t0 = time.perf_counter()
     with torch.no_grad(), autocast(cfg, device):
         m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
-        # the testbed's zones
+        # The exact correct mass Q of each prompt gives the testbed's zones.
         m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, eval_set), cfg))
         if cfg.answer_prompts:  # the sets task: every answer of its first prompts (lib/answers.py)
             answer_set, space = eval_set[: cfg.answer_prompts], answers.space(cfg.task)
@@ -91,8 +91,8 @@ def eval_table(report: dict) -> str:
     ks = sorted({int(k) for b in report["benchmarks"].values() for k in b["pass@k"]})
     s = report["sampling"]
     head = (f"{report['model']}: pass@k of {s['samples']} samples at T={s['temperature']}, "
-            f"top_p={s['top_p']}, "
-            f"<= {s['max_new_tokens']} new tokens; greedy; {report['seconds']:.1f}s")
+            f"top_p={s['top_p']}, <= {s['max_new_tokens']} new tokens; greedy; "
+            f"{report['seconds']:.1f}s")
     cols = ["benchmark", "prompts", *[f"pass@{k}" for k in ks], "greedy", "len", "trunc"]
     rows = [[name, str(b["prompts"]), *[f"{b['pass@k'].get(str(k), float('nan')):.3f}" for k in ks],
              f"{b['greedy_pass@1']:.3f}", f"{b['mean_response_tokens']:.1f}",

@@ -67,7 +67,7 @@ class Run:
         # restore() sets them: what checkpoints save
         self.opt = self.ref_model = self.rng = self.gen_cpu = None
         self.estimate = None  # and --alloc adaptive's per-prompt estimate (restore())
-        # what the model wrote; the dashboards (restore())
+        # samples.jsonl holds what the model wrote; restore() opens the dashboards.
         self.samples_path, self.report = out / "samples.jsonl", None
 
     def say(self, line: str):
@@ -88,16 +88,16 @@ class Run:
         self.estimate = estimate
         start, keep_est, q_start, resumed = 0, 0.5, None, bool(self.state)
         if self.state:
-            # (its AdamW state is loaded into opt, not kept twice)
+            # The state is let go here: its AdamW moments are loaded into opt, not kept twice.
             state, self.state = self.state, None
             start, keep_est, q_start = state["step"], state["keep_est"], state["q_start"]
             load_optimizer(self.model, opt, state, self.cfg, f"--resume {self.cfg.resume}")
             rng.setstate(state["rng"])
             gen_cpu.set_state(state["gen_cpu"])
-            # else a KL switched on now starts here
+            # A checkpoint without a reference (a KL switched on only now) starts it here.
             if ref_model is not None and state["ref"] is not None:
                 ref_model.load_state_dict(state["ref"])
-            # else it starts afresh here
+            # A checkpoint without a per-prompt estimate starts it afresh here.
             if estimate is not None and state.get("estimate") is not None:
                 estimate.load_state_dict(state["estimate"])
             self.say(f"resumed {self.out} at step {start}")
@@ -151,15 +151,14 @@ class Run:
         m.update(self.clock.total)
         self.rows.append(m)
         with no_space_is_one_line(self.out,
-                                  f"step {m['step']}'s metrics were not all written; --resume "
-                                  f"{self.out} "
-                                            f"continues from its last checkpoint"):
+                                  f"step {m['step']}'s metrics were not all written; "
+                                  f"--resume {self.out} continues from its last checkpoint"):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()
             if self.main and records:
                 samples.append(self.samples_path, m["step"], records)
             if "eval_pass@1" in m and m["step"] > 0 and self.main:
-                # refreshed at every eval, not only at the end
+                # The plot is refreshed at every eval, not only at the end.
                 plot_metrics(self.rows, self.out / "metrics.png")
         self.report.log(m, records)  # --report_to's dashboards
         if "eval_pass@1" in m and m["step"] > 0:
@@ -192,8 +191,8 @@ class Run:
         first, last = self.rows[0], self.rows[-1]
         if "eval_pass@1" in last:
             self.say(f"held-out pass@1 {first['eval_pass@1']:.3f} -> {last['eval_pass@1']:.3f}, "
-                     f"pass@k {first['eval_pass@k']:.3f} -> {last['eval_pass@k']:.3f}; wrote "
-                     f"{self.out}")
+                     f"pass@k {first['eval_pass@k']:.3f} -> {last['eval_pass@k']:.3f}; "
+                     f"wrote {self.out}")
         distributed.teardown()
         return self.rows
 
@@ -206,23 +205,22 @@ def start(cfg) -> Run:
     written by Run.restore."""
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
-    # said first
+    # This note is said first, before any other output.
     if (cfg.loss == "gspo" and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
-        and distributed.is_main()):
+            and distributed.is_main()):
         print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean "
-              f"(--loss_agg sequence, "
-              "gspo's default)")
-    # ckpt/, or what a crash in its save left
+              "(--loss_agg sequence, gspo's default)")
+    # The checkpoint is ckpt/, or what a crash in its save left.
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None
     state = read_trainer_state(ckpt, cfg) if ckpt else None
     say = tqdm.write if distributed.is_main() else (lambda line: None)
-    # rows logged after it are redone
+    # The rows logged after that checkpoint are redone.
     rows = read_metrics(Path(cfg.resume), state["step"], say) if ckpt else []
-    # weights (and AdamW's moments) from there
+    # --init_from: the weights (and with --init_optimizer AdamW's moments) come from there.
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None
     if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
-        fail(f"--init_optimizer: {init} holds no trainer_state.pt (a policy alone has no AdamW "
-             f"state)")
+        fail(f"--init_optimizer: {init} holds no trainer_state.pt "
+             "(a policy alone has no AdamW state)")
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
     policy = str(ckpt or init or cfg.model)
     cfg, device, train_set, eval_set, model, tok, longest = setup(cfg, policy, flag)
@@ -234,16 +232,15 @@ def start(cfg) -> Run:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
     out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)
-    stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} "
-                   f"continues from it)")
+    stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one "
+                   f"(--resume {out} continues from it)")
     dtype = compute_dtype(cfg, device)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
         f"({sum(p.numel() for p in trainable(model)) / 1e6:.3f}M trained), {device}, {dtype}, "
-        f"{distributed.world_size()} process(es); train {len(train_set)} prompts, eval "
-        f"{len(eval_set)}; "
-        f"verifier {cfg.verifier}; run dir {out}")
-    # the tasks whose held-out set is their training set, by design
+        f"{distributed.world_size()} process(es); train {len(train_set)} prompts, "
+        f"eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
+    # keys and sets: the held-out set is the training set, by design.
     if cfg.task in ("keys", "sets"):
         say(f"task {cfg.task}: evaluated on {len(eval_set)} of its own training prompts, by design "
             "(Theorem 1 is per prompt; data.py)")

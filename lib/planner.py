@@ -145,9 +145,9 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
         prefix = L * prompts * nkv * hd * 2 * c * P
         return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
-                # int64 token, bool mask, fp32 logp, entropy
+                # 17 bytes a token: int64 token, bool mask, fp32 logp, entropy.
                 ("chunk outputs (rows, T)", rows * T * 17)]
-    # this rank's share
+    # Each rank samples its share of the prompts.
     train_prompts, eval_prompts = math.ceil(4 * B / K), math.ceil(cfg.eval_prompts / K)
     chunks = [chunk(rollout_rows(cfg, N, train_prompts), cfg.top_p,
                     min(train_prompts, max(cfg.max_rows // N, 1))),
@@ -183,7 +183,7 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
               ("logits and their gradient"
                + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
                logits_bytes(r * T, V, H, c, policy.plain_logits(mc))),
-              # not alive with the above: a margin
+              # Not alive with the above: it is counted as a margin.
               ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]
     return {"rollout": rollout, "update": update}
 
@@ -220,7 +220,7 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     import dataclasses
     plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
     over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
-    # never "0.0 GB"
+    # Small sizes in MB, never "0.0 GB".
     gib = lambda x: f"{x / GB:.1f} GB" if x >= 0.1 * GB else f"{x / 2 ** 20:.1f} MB"
     rows = fit_rows(mc, cfg, prompt_tokens, memory_bytes, world_size)
     if rows is None:
@@ -380,9 +380,8 @@ def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, repo
         say(f"does not fit on {K} device(s): {fitted}")
         fitted = (fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
     if fitted != (cfg.max_rows, cfg.micro_batch):
-        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, --micro_batch {cfg.micro_batch} "
-            f"-> {fitted[1]} "
-            f"to fit {memory / GB:.1f} GB")
+        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, "
+            f"--micro_batch {cfg.micro_batch} -> {fitted[1]} to fit {memory / GB:.1f} GB")
         cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
     say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, "
         f"{policy.compute_dtype(cfg, device)}):")

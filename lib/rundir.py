@@ -42,8 +42,8 @@ class RunLock:
             except BlockingIOError:
                 holder = os.read(self.fd, 64).decode(errors="replace").strip() or "?"
                 os.close(self.fd)
-                fail(f"--out {out}: another run (pid {holder}) is using it; wait for it to end, or "
-                     f"give another --out")
+                fail(f"--out {out}: another run (pid {holder}) is using it; "
+                     "wait for it to end, or give another --out")
             if self.same_file():
                 break
             os.close(self.fd)  # its holder removed the file as we locked it: lock the new one
@@ -100,16 +100,16 @@ def make_run_dir(cfg, resume_from=None, fresh=True) -> tuple:
         lock = RunLock(out, say)
     except OSError as e:
         fail(f"--out {out}: cannot write there ({e.strerror})")
-    # a run that ended since parse_config looked
+    # A run may have ended there since parse_config looked.
     if fresh and not resume_from and (held := held_run(out)):
         lock.release()
-        fail(f"--out {out} holds a run ({', '.join(held)}): continue it with --resume {out}, or "
-             f"give another --out")
+        fail(f"--out {out} holds a run ({', '.join(held)}): "
+             f"continue it with --resume {out}, or give another --out")
     if resume_from:
         if surviving_checkpoint(out) != resume_from:
             lock.release()
-            fail(f"--resume {out}: its checkpoint changed while it was loading (another run?); run "
-                 f"the command again")
+            fail(f"--resume {out}: its checkpoint changed while it was loading (another run?); "
+                 "run the command again")
         put_back_checkpoint(out, resume_from, say)
     lock.take()
     return Path(distributed.broadcast(str(out))), lock
@@ -176,8 +176,8 @@ def read_metrics(out: Path, upto: int, say) -> list:
         fail(f"--resume {out}: cannot read {path} ({e.strerror})")
     rows = [metrics_row(line) for line in lines]
     if lines and rows[-1] is None:
-        say(f"--resume {out}: dropped the last line of {path}, cut short ({len(lines[-1])} "
-            f"characters)")
+        say(f"--resume {out}: dropped the last line of {path}, "
+            f"cut short ({len(lines[-1])} characters)")
         rows.pop()
     if None in rows:
         fail(f"--resume {out}: {path} line {rows.index(None) + 1} is not a metrics row "

@@ -32,7 +32,7 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
-    # the run records the verifier it used
+    # The run records the verifier it used.
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
     if train_set is not None:
@@ -89,7 +89,7 @@ def pick_verifier(cfg) -> str:
     """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is
     installed."""
     try:
-        # keys: the integer rule
+        # keys is checked by the integer rule, as arith is.
         return verify.choose_verifier("arith" if cfg.task == "keys" else cfg.task, cfg.verifier)
     except ImportError as e:
         fail(f"--verifier {cfg.verifier}: {e}")
@@ -104,7 +104,7 @@ def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
     if not rows:
         fail(f"{flag} {task}: its {split} split is empty"
              + (" (name a held-out source: --eval_task)" * (split == "test")))
-    # a dataset's repeated rows would weigh twice (arith's problems are distinct by construction)
+    # A dataset's repeated rows would weigh twice (arith's problems are distinct by construction).
     if task != "arith":
         unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
         if len(unique) < len(rows) and distributed.is_main():
@@ -129,8 +129,8 @@ def check_overlap(cfg, train_set: list, held_out: list):
     shared = sum(e["prompt"] in trained for e in held_out)
     if not shared:
         return
-    line = (f"--eval_task {cfg.eval_task}: {shared} of its {len(held_out)} prompts are in --task's "
-            f"training set")
+    line = (f"--eval_task {cfg.eval_task}: {shared} of its {len(held_out)} prompts "
+            "are in --task's training set")
     if not cfg.eval_overlap:
         fail(line + " (its score would not be held out; --eval_overlap 1 allows it)")
     if distributed.is_main():
@@ -166,8 +166,8 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
         rows = [r for i, r in enumerate(rows) if i not in dropped]
         lengths = [n for i, n in enumerate(lengths) if i not in dropped]
         if not rows:
-            fail(f"{where} every row is longer than the model's {positions} positions with "
-                 f"{max_new} new tokens")
+            fail(f"{where} every row is longer than the model's {positions} positions "
+                 f"with {max_new} new tokens")
     return rows, max(lengths, default=0)
 
 

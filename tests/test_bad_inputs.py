@@ -244,8 +244,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
     monkeypatch.setattr(torch, "save", full)
     code, err = run_in_process(capsys, "--resume", str(run), "--steps", "4")
     assert code == 2 and "Traceback" not in err
-    assert last_line(err) == (f"error: no space left on {run}: the checkpoint of step 4 was not written; "
-                                           "ckpt/ keeps the last one (--resume continues from it)")
+    assert last_line(err) == (f"error: no space left on {run}: the checkpoint of step 4 was not "
+                              "written; ckpt/ keeps the last one (--resume continues from it)")
     assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
 
 
@@ -433,8 +433,8 @@ def drop_field(name: str):
 
 ON_A_RUN += [
     (drop_field("max_new_tokens"), ["--resume", "{run}", "--steps", "3"],
-     "its config.json lacks max_new_tokens (edited, or older than the field): give the run's "
-     "value"),
+     "its config.json lacks max_new_tokens (edited, or older than the field): "
+     "give the run's value"),
     (drop_field("clip_ratio_c"), ["--resume", "{run}", "--steps", "3"], "lacks clip_ratio_c"),
     (lambda run: os.symlink(run / "nowhere", run / "link"), ["--out", "{run}/link", "--steps", "1"],
      "/link: a symlink to"),
@@ -501,8 +501,8 @@ def test_every_failure_of_a_checkpoint_is_one_line_and_keeps_the_last(run, capsy
     assert code == 2 and "Traceback" not in err, err[-2000:]
     line = last_line(err)
     assert needle.format(run=run) in line and line.endswith(
-        "the checkpoint of step 4 was not written; ckpt/ keeps the last one (--resume continues "
-        "from it)"), line
+        "the checkpoint of step 4 was not written; ckpt/ keeps the last one "
+        "(--resume continues from it)"), line
     assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
     assert (run / "ckpt.old").is_file() == (how == "ckpt.old")
 
@@ -513,8 +513,8 @@ def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, 
     out = tmp_path / "new"
     line = one_line(*run_in_process(capsys, "--model", str(run), *["--eval_only"] * eval_only,
                                     "--out", str(out), *TINY))
-    assert line == (f"error: --model {run}: the run holds no ckpt/ (--save 0, or stopped before "
-                    "its first eval)")
+    assert line == (f"error: --model {run}: the run holds no ckpt/ "
+                    "(--save 0, or stopped before its first eval)")
     assert not out.exists()
 
 
@@ -550,8 +550,8 @@ def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",
                                     "--steps", "1", "--out", str(out)]))
-    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); the probe is those 1 (config.json "
-            "says so)") in capsys.readouterr().out
+    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); the probe is those 1 "
+            "(config.json says so)") in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["probe_prompts"] == 1
 
 

@@ -444,9 +444,9 @@ def main(argv=None):
         floor = matmul_floor(device, dtype, *shape)
         rows, H, I = shape
         print(f"matmul floor: {floor:.1f} GFLOP/s (the best of 20 timings of 5 torch.mm "
-              f"({rows}, {H}) @ ({H}, {I}), {dtype}, {torch.get_num_threads()} threads); 'floor' "
-              f"below: a speed's model FLOPs (2 x params a token forward, x3 with the backward) "
-              f"over it")
+              f"({rows}, {H}) @ ({H}, {I}), {dtype}, {torch.get_num_threads()} threads); "
+              "'floor' below: a speed's model FLOPs (2 x params a token forward, x3 with the "
+              "backward) over it")
         if args.part == "lora":
             return bench_lora(path, device, dtype, args.repeats, params, floor)
         if args.part in ("sampler", "all", "gpu"):

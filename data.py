@@ -164,12 +164,13 @@ def classify(a: int, b: int, completion: str) -> str:
 # prompt "k<two letters>=" has its own 3-digit value and four decoy values, drawn independently,
 # and the warm start sets each prompt's right mass from a log-uniform range. Train and eval are
 # the same 512 prompts (the theorem is per prompt). Verified by the integer rule (verify.py task
-# "arith"). Two limits, measured (docs/results/theorem1.md). The values share nothing, but the
-# warm start does: it learns every right value first and then suppresses it, and RL's updates of
-# some prompts move the others through the shared weights (the prompts that ProRL's shape never
-# sampled right in 150 steps fell a median 1.4 decades). With one
-# right answer a prompt, a group that dynamic sampling trains has drawn it: no right mass is ever
-# left unsampled, so Theorem 1's unsampled right term cannot act here (the sets task below can).
+# "arith"). Two limits (docs/results/theorem1.md). The values share nothing, but the weights do:
+# the warm start learns every right value first and then suppresses it, and RL's updates of some
+# prompts move the others (the prompts ProRL's shape never sampled right in 150 steps fell a
+# median 1.4 decades; whether the learn-then-suppress warm start causes this was not tested). And
+# with one right answer a prompt (in its canonical spelling), a group that dynamic sampling trains
+# has drawn it: no right mass is left unsampled, so Theorem 1's unsampled right term cannot act
+# here (argued, not measured; the sets task below measures it).
 
 KEYS_N, KEYS_DECOYS = 512, 4  # prompts; wrong values per prompt
 # The warm start's mixture: the right value's weight, log-uniform in this range.

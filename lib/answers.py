@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import data
+from lib.mass import ids_batch
 from lib.policy import response_logprobs
 from sampler import encode_prompt
 
@@ -50,24 +51,14 @@ def distribution(model, tok, examples, answers: list, temperature: float, system
     float64."""
     dev = next(model.parameters()).device
     resp_ids = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for a in answers]
-    T, A = max(max(map(len, resp_ids)), 2), len(answers)
-    resp = torch.full((A, T), tok.pad_token_id, dtype=torch.long)  # (A, T) one row per answer
-    resp_mask = torch.zeros(A, T, dtype=torch.bool)
-    for i, ids in enumerate(resp_ids):
-        resp[i, :len(ids)], resp_mask[i, :len(ids)] = torch.tensor(ids), True
+    A = len(answers)
     prompts = [encode_prompt(tok, x["prompt"], system_prompt) for x in examples]
     out, chunk = [], max(1, rows_per_pass // A)  # prompts a pass
     for i in range(0, len(prompts), chunk):
         part = prompts[i: i + chunk]
-        g, P = len(part), max(map(len, part))
-        prompt = torch.zeros(g, P, dtype=torch.long)  # (g, P) left-padded
-        prompt_mask = torch.zeros(g, P, dtype=torch.bool)
-        for j, p in enumerate(part):
-            prompt[j, P - len(p):], prompt_mask[j, P - len(p):] = torch.tensor(p), True
-        batch = dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev),
-                     resp=resp.repeat(g, 1).to(dev), resp_mask=resp_mask.repeat(g, 1).to(dev),
-                     group=torch.arange(g, device=dev).repeat_interleave(A),  # (g*A,) its prompt
-                     sampler_logp=torch.zeros(g * A, T, device=dev))
+        g = len(part)
+        # Every answer of each prompt of the pass: (g*A,) rows, row r answering prompt r // A.
+        batch = ids_batch(part, resp_ids * g, dev, group=torch.arange(g).repeat_interleave(A))
         logp = response_logprobs(model, batch, torch.arange(g * A, device=dev), temperature)
         out.append((logp.double() * batch["resp_mask"]).sum(1).view(g, A).cpu())  # (g, A)
     return torch.cat(out) if out else torch.zeros(0, A, dtype=torch.float64)

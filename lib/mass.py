@@ -48,21 +48,24 @@ def prompt_set(cfg, eval_set) -> list:
     return rows if all(x["task"] in ("arith", "sets") for x in rows) else []
 
 
-def ids_batch(prompts: list, responses: list, dev) -> dict:
-    """The update's batch format (lib/policy.pack_groups), one response a prompt, from token id
-    lists: prompts left-padded to P, responses right-padded to T (at least 2 columns:
-    response_logprobs' calls)."""
-    G, P, T = len(prompts), max(map(len, prompts)), max(2, max(map(len, responses)))
+def ids_batch(prompts: list, responses: list, dev, group=None) -> dict:
+    """The update's batch format (lib/policy.pack_groups) from token id lists: prompts left-padded
+    to P, responses right-padded to T (at least 2 columns: response_logprobs' calls), and group
+    (R,), the prompt each response answers (default: response i answers prompt i)."""
+    G, R = len(prompts), len(responses)
+    P, T = max(map(len, prompts)), max(2, max(map(len, responses)))
     # (G, P) each.
     prompt, prompt_mask = torch.zeros(G, P, dtype=torch.long), torch.zeros(G, P, dtype=torch.bool)
-    # (G, T) each.
-    resp, resp_mask = torch.zeros(G, T, dtype=torch.long), torch.zeros(G, T, dtype=torch.bool)
-    for i, (p, a) in enumerate(zip(prompts, responses)):
+    # (R, T) each.
+    resp, resp_mask = torch.zeros(R, T, dtype=torch.long), torch.zeros(R, T, dtype=torch.bool)
+    for i, p in enumerate(prompts):
         prompt[i, P - len(p):], prompt_mask[i, P - len(p):] = torch.tensor(p), True
+    for i, a in enumerate(responses):
         resp[i, :len(a)], resp_mask[i, :len(a)] = torch.tensor(a), True
+    group = torch.arange(G) if group is None else torch.as_tensor(group)  # (R,)
     return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp.to(dev),
-                resp_mask=resp_mask.to(dev), group=torch.arange(G, device=dev),
-                sampler_logp=torch.zeros(G, T, device=dev))
+                resp_mask=resp_mask.to(dev), group=group.to(dev),
+                sampler_logp=torch.zeros(R, T, device=dev))
 
 
 @torch.no_grad()

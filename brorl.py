@@ -312,9 +312,7 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
         stats["groups_generated"] += want
         stats["tokens"] += int(lengths.sum())
         stats["rewards"].append(r)
-        if cfg.task in ("keys", "sets"):  # Train = eval here: log the prompts a rollout got right.
-            right = [x["prompt"] for x, top in zip(batch, r.max(1).values.tolist()) if top > 0]
-            stats.setdefault("sampled_right", []).extend(right)
+        steplog.note_sampled_right(stats, cfg.task, groups)  # (keys, sets: the prompts right)
         informative = [x for x in groups if x.rewards.min() != x.rewards.max()]
         kept += informative if cfg.dynamic_sampling else groups
         stats["groups_survived"] = len(kept)

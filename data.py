@@ -76,6 +76,9 @@ EMBEDDED_MODEL_SETS = ASSETS / "tiny-sets"  # the sets task: many right values a
 EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"
 # 16 hand-written rows in DeepScaleR's schema (task math:).
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"
+# The tasks whose every split is one fixed set of prompts: training and evaluation see the same
+# prompts, by design (Theorem 1 is per prompt), so what a run sampled right is logged per prompt.
+TRAIN_IS_EVAL = ("keys", "sets")
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
 # ----------------------------------------------------------------------------
@@ -243,7 +246,7 @@ def load_task(task: str, split: str, n: int | None = None, seed: int = 0,
     ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
     if split not in ("train", "test", "all"):
         raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
-    if task in ("keys", "sets"):  # one set of prompts: every split is all of it (train = eval)
+    if task in TRAIN_IS_EVAL:  # one set of prompts: every split is all of it
         rows = keys_problems() if task == "keys" else sets_problems()
         return rows if n is None else random.Random(seed).sample(rows, min(n, len(rows)))
     if task == "arith":

@@ -25,6 +25,7 @@ rollout and dynamic sampling phases, with one round of B candidates sized by all
 
 import torch
 
+from lib import steplog
 from sampler import round_seeds
 
 # the prior: PRIOR_COUNT pseudo-rollouts (an unseen prompt's estimate moves with its first group) at
@@ -152,6 +153,5 @@ def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimat
                  alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
                  rollouts_dropped=sum(s for s, useful in zip(n, informative) if not useful)
                  if cfg.dynamic_sampling else 0)
-    if cfg.task in ("keys", "sets"):  # Train = eval here: log the prompts a rollout got right.
-        stats["sampled_right"] = [x.example["prompt"] for x in groups if x.rewards.max() > 0]
+    steplog.note_sampled_right(stats, cfg.task, groups)  # (keys, sets: the prompts right)
     return kept, stats

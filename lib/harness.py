@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import data
 from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
 from lib.config import fail, surviving_checkpoint
@@ -241,7 +242,7 @@ def start(cfg) -> Run:
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, "
         f"eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
     # keys and sets: the held-out set is the training set, by design.
-    if cfg.task in ("keys", "sets"):
+    if cfg.task in data.TRAIN_IS_EVAL:
         say(f"task {cfg.task}: evaluated on {len(eval_set)} of its own training prompts, by design "
             "(Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+import data
+
 
 def step_metrics(stats, t_roll, t_upd, upd) -> dict:
     """The per-step dict: rollout statistics over ALL generated groups, before filtering. Groups of
@@ -34,6 +36,15 @@ def step_metrics(stats, t_roll, t_upd, upd) -> dict:
         "time_rollout": t_roll, "time_update": t_upd,
         **{k: stats[k] for k in extra if k in stats}, **upd,
     }
+
+
+def note_sampled_right(stats: dict, task: str, groups: list) -> None:
+    """Where every training prompt is also evaluated (data.TRAIN_IS_EVAL), add to
+    stats["sampled_right"] the prompts of the generated groups (brorl.Group) with a right rollout,
+    so that the prompts a run never sampled right can be told from metrics.jsonl."""
+    if task in data.TRAIN_IS_EVAL:
+        right = [g.example["prompt"] for g in groups if g.rewards.max() > 0]
+        stats.setdefault("sampled_right", []).extend(right)
 
 
 def log_line(m: dict) -> str:

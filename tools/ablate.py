@@ -243,6 +243,35 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def run_to_raw(argv: list, run_dir: Path, raw_file: Path, log_file: Path) -> int:
+    """A study's run (tools/theorem1_study.py, tools/allocation_study.py): `python brorl.py argv`
+    on one thread in a fresh run_dir (a killed run's leftovers removed), its output to log_file;
+    when it exits 0, its metrics.jsonl, argv added to the first row, written whole to raw_file.
+    Returns its exit status."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "w") as log:
+        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=log,
+                              stderr=subprocess.STDOUT, env=thread_env(1)).returncode
+    if code == 0:
+        raw_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = raw_file.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n"
+                               for r in read_rows(run_dir)))
+        tmp.rename(raw_file)
+    return code
+
+
+def read_raw(raw: Path) -> dict:
+    """A study's raw files <raw>/<a>/<b>/seed<S>.jsonl as {a: {b: {S: rows}}}."""
+    out = {}
+    for path in sorted(raw.glob("*/*/seed*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out.setdefault(path.parent.parent.name, {}).setdefault(path.parent.name, {})[
+            int(path.stem[4:])] = rows
+    return out
+
+
 def run_summary(rows: list[dict], clock: str, gate: tuple = (16, 512)) -> dict:
     """One run's numbers from its metrics.jsonl rows (step 0 is the evaluation before training); gate: the
     run's --gate_small_n and --gate_large_n (the exact-Q zones)."""

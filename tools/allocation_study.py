@@ -31,12 +31,7 @@ CPU: about 45 CPU s a run with the defaults (30 s of training, start-up and two 
 """
 
 import argparse
-import json
-import math
-import shutil
 import statistics
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -68,22 +63,12 @@ def run(task: str, arm: str, seed: int, budget: float, out: Path, raw: Path) -> 
     if target.is_file():
         return f"{task} {arm} seed {seed}: done before"
     run_dir = out / task / arm / f"seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a killed run starts over
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
     argv = [*TASKS[task], *COMMON, *ARMS[arm], "--seed", str(seed), "--time_budget", str(budget),
             "--out", str(run_dir)]
-    with open(run_dir.parent / f"seed{seed}.log", "w") as log:
-        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=log,
-                              stderr=subprocess.STDOUT, env=ablate.thread_env(1)).returncode
+    log = run_dir.parent / f"seed{seed}.log"
+    code = ablate.run_to_raw(argv, run_dir, target, log)
     if code != 0:
-        log = run_dir.parent / f"seed{seed}.log"
         return f"{task} {arm} seed {seed}: failed (exit {code}), {log}"
-    rows = ablate.read_rows(run_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n"
-                           for r in rows))
-    tmp.rename(target)
     return f"{task} {arm} seed {seed}: python brorl.py {' '.join(argv)}"
 
 
@@ -119,13 +104,8 @@ def measures(rows: list, arm: str) -> dict:
 
 def read(raw: Path) -> dict:
     """{task: {arm: {seed: measures}}} from the raw files."""
-    out = {}
-    for path in sorted(raw.glob("*/*/seed*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        arm = path.parent.name
-        out.setdefault(path.parent.parent.name, {}).setdefault(arm, {})[int(path.stem[4:])] = (
-            measures(rows, arm))
-    return out
+    return {task: {arm: {seed: measures(rows, arm) for seed, rows in runs.items()}
+                   for arm, runs in arms.items()} for task, arms in ablate.read_raw(raw).items()}
 
 
 KEYS = ["steps", "rollouts", "cpu_s", "dQ", "dQ_per_1k", "dQ_per_cpu_s", "gate_lifted",

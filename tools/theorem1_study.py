@@ -31,11 +31,8 @@ values, and Welch's t for the difference of means (its p from the t distribution
 
 import argparse
 import itertools
-import json
 import math
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -72,25 +69,15 @@ def run(sweep: str, flags: list, common: list, seed: int, steps: dict, out: Path
     if target.is_file():
         return True
     run_dir = out / sweep / name / f"seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)  # a killed run starts over
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
     n = steps[sweep]
     argv = [*common, *flags, "--seed", str(seed), "--steps", str(n), "--eval_every", str(n // 4),
             "--time_budget", str(cap), "--budget_clock", "cpu", "--out", str(run_dir)]
     print(f"{sweep} {name} seed {seed}: python brorl.py {' '.join(argv)}", flush=True)
-    with open(out / sweep / f"{name}-seed{seed}.log", "w") as log:
-        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=log,
-                              stderr=subprocess.STDOUT, env=ablate.thread_env(1)).returncode
+    log = out / sweep / f"{name}-seed{seed}.log"
+    code = ablate.run_to_raw(argv, run_dir, target, log)
     if code != 0:
-        print(f"  failed (exit {code}): {out / sweep / f'{name}-seed{seed}.log'}", flush=True)
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    rows = ablate.read_rows(run_dir)
-    tmp.write_text("".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n"
-                           for r in rows))
-    tmp.rename(target)
-    return True
+        print(f"  failed (exit {code}): {log}", flush=True)
+    return code == 0
 
 
 # ----------------------------------------------------------------------------
@@ -134,12 +121,7 @@ def welch(a: list, b: list) -> tuple:
 
 def read(raw: Path) -> dict:
     """{sweep: {config: {seed: rows}}} from the raw files."""
-    out = {}
-    for path in sorted(raw.glob("*/*/seed*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        out.setdefault(path.parent.parent.name, {}).setdefault(path.parent.name, {})[
-            int(path.stem[4:])] = rows
-    return out
+    return ablate.read_raw(raw)
 
 
 def sets_measures(rows: list) -> dict:

@@ -63,7 +63,8 @@ import verify
 from lib import (allocation, balance, config, diagnostics, distributed, evalonly, harness, samples,
                  setup, steplog)
 from lib.config import fail
-from lib.objectives import aggregation, cispo_token_loss, gspo_token_loss, max_variance_subset
+from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
+                            max_variance_subset)
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
                         response_logprobs, trainable)
 from sampler import Rollouts, draw_seeds, generate, round_seeds
@@ -102,6 +103,8 @@ class Config:
     # Dynamic sampling, as DAPO's.
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
     max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
+    train_prompts: int = 0  # keys, sets (train = eval): train on the eval set's first n prompts
+                            # alone (with B = n, each of them every step); 0: all
     # Breadth in sampling but not in the update (PODS, arXiv 2504.13818): the update trains on the
     # m rollouts of a group whose rewards vary most.
     train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
@@ -118,6 +121,8 @@ class Config:
     # response tokens with batch (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run), over
     # its responses with response, or by each group's std with group (GRPO's).
     adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
+    focal_gamma: float = 0.0  # F-GRPO's focal weight (arXiv 2602.06717): each group's advantages
+                              # x (1 - mu)^gamma, mu its success rate; 0: off
     # The policy update.
     lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
                       # for a 1.5B model; 5e-4 here overshoots)
@@ -325,7 +330,8 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 # Advantages
 
 
-def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None,
+                       focal_gamma: float = 0.0) -> torch.Tensor:
     """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per
     response. r - mean_group(r), then
       batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as
@@ -339,9 +345,15 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None)
     stays 0). Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors
     (n_j,): each group centred on its own mean (group: its own std), the batch's whitening over all
     valid tokens (or responses) of all groups, each response weighted by its length as before; a
-    list back."""
+    list back. focal_gamma > 0: each group's advantages then x (1 - mu)^gamma (F-GRPO's focal
+    weight, lib/objectives.py), mu its success rate."""
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
+    if focal_gamma:
+        adv = compute_advantages(rewards, norm, lengths)
+        if isinstance(rewards, list):
+            return [a * focal_weight(r[None], focal_gamma)[0] for a, r in zip(adv, rewards)]
+        return adv * focal_weight(rewards, focal_gamma)  # (G, N) x (G, 1)
     if isinstance(rewards, list):
         return compute_ragged_advantages(rewards, norm, lengths)
     centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
@@ -557,7 +569,8 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
             rewards = [k.rewards[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,)
             lengths = [k.lengths[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,) valid tokens
             all_rewards = torch.cat([k.rewards for k in kept])  # (all kept rollouts,)
-        adv = compute_advantages(rewards, cfg.adv_norm, lengths)  # (G, m), or G tensors (m_j,)
+        # (G, m), or G tensors (m_j,)
+        adv = compute_advantages(rewards, cfg.adv_norm, lengths, cfg.focal_gamma)
         # Each kept group moves to the rank that trains it (K = 1: all stay here); this rank's
         # groups become one batch, which carries every rank's lengths.
         groups = distributed.balance([k.rollouts.group(k.index, chosen[j])

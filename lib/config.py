@@ -421,6 +421,15 @@ def check_config(cfg) -> str:
          f"--dtype {cfg.dtype!r}: choose auto, float32 or bfloat16"),
         (cfg.steps >= 0 and cfg.eval_every >= 1, "--steps must be >= 0 and --eval_every >= 1"),
         (cfg.max_rounds >= 1, f"--max_rounds {cfg.max_rounds}: need >= 1"),
+        (cfg.train_prompts >= 0, f"--train_prompts {cfg.train_prompts}: need >= 0 (0: all)"),
+        (cfg.train_prompts == 0 or cfg.task in data.TRAIN_IS_EVAL,
+         f"--train_prompts {cfg.train_prompts}: needs a task whose training set is its eval set "
+         f"({', '.join(data.TRAIN_IS_EVAL)}), not --task {cfg.task}"),
+        (cfg.train_prompts <= cfg.eval_prompts,
+         f"--train_prompts {cfg.train_prompts}: the eval set's first n, so at most --eval_prompts "
+         f"{cfg.eval_prompts}"),
+        (math.isfinite(cfg.focal_gamma) and cfg.focal_gamma >= 0,
+         f"--focal_gamma {cfg.focal_gamma}: need a finite gamma >= 0 (0: off)"),
         (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1,
          "--eval_prompts and --eval_samples must be >= 1"),
         (cfg.eval_max_new_tokens >= 0,

@@ -60,6 +60,9 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
         longest = max(longest, longest_train)
     eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts,
                                                                    len(held_out)))
+    if cfg.train_prompts and train_set is not None:  # the eval set's first n: every one measured
+        train_set = eval_set[: cfg.train_prompts]
+        check_train_size(cfg, train_set)
     if cfg.probe_prompts > len(eval_set):  # the probe: the eval set's first ones
         if distributed.is_main():
             tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "

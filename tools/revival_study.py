@@ -36,6 +36,7 @@ row). --report reads them alone: the page's numbers (assets/revival/report.md) a
 """
 
 import argparse
+import concurrent.futures
 import json
 import math
 import resource
@@ -50,11 +51,19 @@ from tools import ablate
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "revival"
 N_PROMPTS = 64  # the testbed: the sets task's first 64 eval prompts (their answers enumerated)
-# The trunk's flags, ProRL's shape on the fixed set: N = 16, all 64 prompts every step.
-TRUNK = ["--preset", "sets", "--train_prompts", str(N_PROMPTS), "--eval_prompts", str(N_PROMPTS),
-         "--answer_prompts", str(N_PROMPTS), "--prompts_per_step", str(N_PROMPTS), "--max_rounds",
-         "1", "--n_rollouts", "16", "--lr", "2e-4", "--eval_samples", "4", "--probe_prompts", "4",
-         "--probe_samples", "64", "--seed", "0", "--eval_every", "10"]
+
+
+def trunk_flags(n: int) -> list:
+    """The trunk's flags, ProRL's shape on a fixed set of n prompts: N = 16, all n every step."""
+    return ["--preset", "sets", "--train_prompts", str(n), "--eval_prompts", str(n),
+            "--answer_prompts", str(n), "--prompts_per_step", str(n), "--max_rounds", "1",
+            "--n_rollouts", "16", "--lr", "2e-4", "--eval_samples", "4", "--probe_prompts", "4",
+            "--probe_samples", "64", "--seed", "0", "--eval_every", "10"]
+
+
+def trunk_name(n: int) -> str:
+    """The trunk's run and raw directory: trunk for the 64-prompt testbed, trunk-<n> otherwise."""
+    return "trunk" if n == N_PROMPTS else f"trunk-{n}"
 WINDOW = (1 / 2048, 1 / 16)  # the reach window of Q
 SLOPE_BOUND = 0.01  # the plateau: the slope's 95% interval within +-this per 100 steps
 
@@ -133,29 +142,31 @@ def branch_point(rows: list, test: dict, window: int) -> dict:
                           decades_per_100=100 * b))
     return {**test, "answers_q": evals[-1]["answers_q"], "answers_q_start": evals[0]["answers_q"],
             "zones_start": zones(first), "zones_branch": zones(last), "stuck": moved,
-            "go": zones(last)["window"] >= 8}
+            "go": zones(last)["window"] >= len(last) // 8}
 
 
 # ----------------------------------------------------------------------------
 # The trunk
 
 
-def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: int) -> dict:
+def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: int,
+          n: int = N_PROMPTS) -> dict:
     """ProRL's shape until the plateau, in chunks, each a --resume of the last; the raw files
     rewritten after every chunk. Returns the plateau record, or {} if the trunk stopped first."""
-    run_dir, log = out / "trunk", out / "trunk.log"
-    chunks_file = raw / "trunk" / "chunks.jsonl"
+    name, flags = trunk_name(n), trunk_flags(n)
+    run_dir, log = out / name, out / f"{name}.log"
+    chunks_file = raw / name / "chunks.jsonl"
     chunks = read_jsonl(chunks_file) if chunks_file.is_file() else []
     while True:
         rows = ablate.read_rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         done = rows[-1]["step"] if rows else 0
         if rows and (run_dir / "ckpt").is_dir():
             test = plateau_test(rows, window)
-            print(f"trunk step {done}: mean exact Q {rows[-1].get('answers_q', float('nan')):.4f}; "
+            print(f"{name} step {done}: mean exact Q {rows[-1].get('answers_q', float('nan')):.4f}; "
                   f"plateau rule: {test}", flush=True)
             if test["plateau"]:
                 record = {**branch_point(rows, test, window), "window": window}
-                write_atomic(raw / "plateau.json", json.dumps(record, indent=1) + "\n")
+                write_atomic(raw / name / "plateau.json", json.dumps(record, indent=1) + "\n")
                 return record
         spent = sum(c["cpu_s"] for c in chunks)
         if done >= max_steps or spent >= cap:
@@ -164,8 +175,8 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: 
             return {}
         target = min(done + chunk, max_steps)
         argv = (["--resume", str(run_dir), "--steps", str(target)] if rows else
-                [*TRUNK, "--steps", str(target), "--out", str(run_dir)])
-        print(f"trunk: python brorl.py {' '.join(argv)}", flush=True)
+                [*flags, "--steps", str(target), "--out", str(run_dir)])
+        print(f"{name}: python brorl.py {' '.join(argv)}", flush=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log, "a") as f:
             code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=f,
@@ -178,13 +189,225 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: 
         chunks.append(dict(steps_to=target, cpu_s=round(cpu, 2)))
         write_atomic(chunks_file, "".join(json.dumps(c) + "\n" for c in chunks))
         rows = ablate.read_rows(run_dir)
-        write_atomic(raw / "trunk" / "metrics.jsonl",
-                     "".join(json.dumps({**r, "argv": TRUNK} if r["step"] == 0 else r) + "\n"
+        write_atomic(raw / name / "metrics.jsonl",
+                     "".join(json.dumps({**r, "argv": flags} if r["step"] == 0 else r) + "\n"
                              for r in rows))
         if (run_dir / "ckpt").is_dir():  # the branch point is the checkpoint at the plateau
-            shutil.rmtree(out / "branch", ignore_errors=True)
-            shutil.copytree(run_dir / "ckpt", out / "branch" / "ckpt")
-            shutil.copy(run_dir / "config.json", out / "branch" / "config.json")
+            branch = out / f"{name}-branch"
+            shutil.rmtree(branch, ignore_errors=True)
+            shutil.copytree(run_dir / "ckpt", branch / "ckpt")
+            shutil.copy(run_dir / "config.json", branch / "config.json")
+
+
+# ----------------------------------------------------------------------------
+# The arms, from the plateau's checkpoint
+
+STEPS = 25  # the branch's steps at equal steps; n16-long runs 32x as many (equal rollouts)
+LR = 2e-4  # the trunk's; the paper's rule scales it by sqrt(samples a step): x sqrt(512 / 16)
+ARMS = {  # name: (flags, steps, eval_every, mass_balance every)
+    "prorl": (["--n_rollouts", "16"], STEPS, 5, 5),
+    "n512": (["--n_rollouts", "512"], STEPS, 5, 5),
+    "n512-lr": (["--n_rollouts", "512", "--lr", f"{LR * math.sqrt(512 / 16):.4g}"], STEPS, 5, 5),
+    "n16-long": (["--n_rollouts", "16"], 32 * STEPS, 100, 160),
+    "focal": (["--n_rollouts", "16", "--focal_gamma", "1"], STEPS, 5, 5),
+}
+
+
+def arm_argv(arm: str, seed: int, branch: Path, run_dir: Path, cap: float,
+             n: int = N_PROMPTS) -> list:
+    """One arm run's flags: the trunk's, from its checkpoint with its AdamW moments, the arm's."""
+    flags, steps, every, balance = ARMS[arm]
+    argv = trunk_flags(n)
+    for flag, value in [("--seed", str(seed)), ("--eval_every", str(every)),
+                        *zip(flags[::2], flags[1::2])]:  # the trunk's value replaced, or added
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return [*argv, "--init_from", str(branch), "--init_optimizer",
+            "--mass_balance", str(balance), "--steps", str(steps), "--save", "0",
+            "--time_budget", str(cap), "--budget_clock", "cpu", "--out", str(run_dir)]
+
+
+def arms(out: Path, raw: Path, seeds: list, jobs: int, cap: float, n: int = N_PROMPTS):
+    """Every arm's runs, seed by seed (every arm's seed 0, then seed 1, ...: a study cut short is
+    balanced), `jobs` at a time; each run's metrics.jsonl copied to its raw file when it ends. A
+    rerun skips the runs whose raw file exists."""
+    name = trunk_name(n)
+    branch = out / f"{name}-branch"
+    if not (raw / name / "plateau.json").is_file() or not (branch / "ckpt").is_dir():
+        sys.exit(f"revival_study: no plateau yet ({raw / name / 'plateau.json'}, "
+                 f"{branch / 'ckpt'}): run the trunk first (--only trunk)")
+    todo = [(arm, seed) for seed in seeds for arm in ARMS
+            if not (raw / "arms" / arm / f"seed{seed}.jsonl").is_file()]
+
+    def one(job):
+        arm, seed = job
+        run_dir = out / "arms" / arm / f"seed{seed}"
+        argv = arm_argv(arm, seed, branch, run_dir, cap, n)
+        print(f"{arm} seed {seed}: python brorl.py {' '.join(argv)}", flush=True)
+        log = out / "arms" / f"{arm}-seed{seed}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        code = ablate.run_to_raw(argv, run_dir, raw / "arms" / arm / f"seed{seed}.jsonl", log)
+        print(f"{arm} seed {seed}: " + ("done" if code == 0 else f"failed (exit {code}): {log}"),
+              flush=True)
+        return code
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        codes = list(pool.map(one, todo))
+    if any(codes):
+        sys.exit(f"revival_study: {sum(c != 0 for c in codes)} run(s) failed")
+
+
+# ----------------------------------------------------------------------------
+# The report: from the raw files alone
+
+PASS_K = (1, 16, 256, 1024)  # the exact pass@k the tables show (every k is in the raw files)
+
+
+def arm_measures(rows: list) -> dict:
+    """One arm run's numbers from its metrics.jsonl rows (step 0: the branch point, evaluated)."""
+    evals = [r for r in rows if "answers_q" in r]
+    first, last = evals[0], evals[-1]
+    steps = [r for r in rows if r["step"] > 0]
+    q0, q1 = first["answers_log10_q_per_prompt"], last["answers_log10_q_per_prompt"]
+    lo, hi = (math.log10(w) for w in WINDOW)
+    groups = [g for r in steps for g in r.get("balance_groups", [])]
+    with_q = [g for g in groups if g["q_before"] > 0]
+    return {
+        "dq": last["answers_q"] - first["answers_q"], "q": last["answers_q"],
+        **{f"pass@{k}": last[f"answers_pass@{k}"] for k in PASS_K},
+        "dpass@1024": last["answers_pass@1024"] - first["answers_pass@1024"],
+        # prompts below 1/16 at the branch that reached it: in the reach window, and below it
+        "revived_window": sum(lo <= a < hi <= b for a, b in zip(q0, q1)),
+        "revived_below": sum(a < lo and b >= hi for a, b in zip(q0, q1)),
+        "stuck_dlog10q": statistics.fmean([b - a for a, b in zip(q0, q1) if a < hi] or [0.0]),
+        "right_rose": last["answers_right_rose"], "worst_drop": last["answers_right_worst_drop"],
+        "entropy": last["answers_entropy"],
+        # per measured update, over its trained groups: the unsampled right mass's change, and
+        # F-GRPO's quantity, that mass's share of Q before the update
+        "du_pos": statistics.fmean([g["U_pos_after"] - g["U_pos_before"] for g in groups] or [0]),
+        "u_share": statistics.fmean([g["U_pos_before"] / g["q_before"] for g in with_q] or [0]),
+        "rollouts": sum(r["samples"] for r in steps),
+        "updates": sum(r.get("groups_kept", 0) > 0 for r in steps) * 2,  # --n_minibatches 2
+        "steps": rows[-1]["step"], "cpu_s": rows[-1]["time_train_cpu"],
+        "curve": [(r["step"], sum(s["samples"] for s in steps if s["step"] <= r["step"]),
+                   r["time_train_cpu"], r["answers_q"]) for r in evals],
+    }
+
+
+def welch_interval(a: list, b: list) -> tuple:
+    """The difference of means a - b and its 95% interval (Welch)."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    d = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:
+        return d, d, d
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = t_quantile(df) * math.sqrt(va + vb)
+    return d, d - half, d + half
+
+
+def compare(a: list, b: list) -> str:
+    """Welch's difference with its interval, Welch's p and the exact Mann-Whitney p."""
+    from tools.theorem1_study import mann_whitney, welch
+    d, lo, hi = welch_interval(a, b)
+    return (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}] | {welch(a, b)[1]:.3g} | "
+            f"{mann_whitney(a, b):.3g}")
+
+
+def at_cpu(m: dict, cpu: float) -> float:
+    """An arm run's mean exact Q at its last eval within `cpu` training CPU seconds."""
+    return [q for _, _, c, q in m["curve"] if c <= cpu][-1]
+
+
+def report(raw: Path) -> str:
+    """The page's numbers, as markdown."""
+    out = ["# Revival study: the numbers (written by `python -m tools.revival_study --report`)", ""]
+    for path in sorted(raw.glob("trunk*/plateau.json")):
+        rec = json.loads(path.read_text())
+        chunks = read_jsonl(path.parent / "chunks.jsonl")
+        out += [f"## {path.parent.name}: the plateau, measured before any arm ran", "",
+                f"- plateau declared at step {rec['step']}: slope of the mean exact Q "
+                f"{rec['slope_per_100']:+.4f} per 100 steps, 95% interval "
+                f"[{rec['ci_low']:+.4f}, {rec['ci_high']:+.4f}] over the last {rec['window']} "
+                f"steps ({rec['evals']} evals); trunk CPU {sum(c['cpu_s'] for c in chunks):.0f} s",
+                f"- mean exact Q {rec['answers_q_start']:.4f} at step 0 -> {rec['answers_q']:.4f}",
+                f"- zones at step 0 (high >= 1/16 / reach window / below 1/2048): "
+                f"{rec['zones_start']['high']} / {rec['zones_start']['window']} / "
+                f"{rec['zones_start']['below']}; at the plateau: {rec['zones_branch']['high']} / "
+                f"{rec['zones_branch']['window']} / {rec['zones_branch']['below']}",
+                f"- go (at least 1 in 8 of the set in the reach window): {rec['go']}",
+                "- the prompts below 1/16 at the plateau (log10 Q at step 0 -> at the plateau; "
+                "decades per 100 steps over the rule's window): " + "; ".join(
+                    f"{x['log10_q_start']:.2f} -> {x['log10_q_branch']:.2f} "
+                    f"({x['decades_per_100']:+.2f})" for x in rec["stuck"]), ""]
+    runs = ablate.read_raw(raw)
+    arms_raw = {a: runs.get("arms", {}).get(a, {}) for a in ARMS}
+    if not any(arms_raw.values()):
+        return "\n".join(out + ["No arm has run yet.", ""])
+    m = {a: [arm_measures(rows) for _, rows in sorted(seeds.items())]
+         for a, seeds in arms_raw.items() if seeds}
+    keys = ["dq", "q", *[f"pass@{k}" for k in PASS_K], "dpass@1024", "revived_window",
+            "revived_below", "stuck_dlog10q", "right_rose", "worst_drop", "entropy", "du_pos",
+            "u_share", "rollouts", "updates", "steps", "cpu_s"]
+    out += ["## The arms (mean over seeds, sd in brackets)", "",
+            "| measure | " + " | ".join(f"{a} ({len(v)} seeds)" for a, v in m.items()) + " |",
+            "|---" * (len(m) + 1) + "|"]
+    for k in keys:
+        cell = lambda xs: (f"{statistics.fmean(xs):.4g} ({statistics.pstdev(xs):.2g})"
+                           if len(xs) > 1 else f"{xs[0]:.4g}")
+        out.append(f"| {k} | " + " | ".join(cell([x[k] for x in v]) for v in m.values()) + " |")
+    out += ["", "## Against ProRL continued (prorl): change of the mean exact Q, per seed "
+            "(unpaired: the arms share the trunk, not their rollouts)", "",
+            "| arm | difference [95% interval] | Welch p | Mann-Whitney p |", "|---|---|---|---|"]
+    base = [x["dq"] for x in m.get("prorl", [])]
+    for a, v in m.items():
+        if a != "prorl" and len(v) > 1 and len(base) > 1:
+            out.append(f"| {a} | {compare([x['dq'] for x in v], base)} |")
+    if "n512" in m and "n16-long" in m:
+        out += ["", "## Equal rollouts and equal CPU seconds: n512 against n16-long", "",
+                "| comparison | difference [95% interval] | Welch p | Mann-Whitney p |",
+                "|---|---|---|---|",
+                f"| change of mean exact Q, each run's end (equal rollouts) | "
+                f"{compare([x['dq'] for x in m['n512']], [x['dq'] for x in m['n16-long']])} |"]
+        cpu = statistics.fmean(x["cpu_s"] for x in m["n512"])
+        q16 = [at_cpu(x, cpu) - x["curve"][0][3] for x in m["n16-long"]]
+        out.append(f"| change of mean exact Q, n16-long at n512's mean CPU ({cpu:.0f} s) | "
+                   f"{compare([x['dq'] for x in m['n512']], q16)} |")
+    return "\n".join(out + [""])
+
+
+def figure(raw: Path, path: Path):
+    """The trunk's mean exact Q to its plateau, then each arm's mean over seeds (its seeds' range
+    shaded): against steps (the trunk's, then the branch's), rollouts and CPU seconds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    trunk_rows = read_jsonl(raw / "trunk" / "metrics.jsonl")
+    rec = json.loads((raw / "trunk" / "plateau.json").read_text())
+    runs = ablate.read_raw(raw).get("arms", {})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ev = [r for r in trunk_rows if "answers_q" in r and r["step"] <= rec["step"]]
+    axes[0].plot([r["step"] for r in ev], [r["answers_q"] for r in ev], color="k", label="trunk")
+    for i, (arm, seeds) in enumerate(sorted(runs.items())):
+        curves = [arm_measures(rows)["curve"] for rows in seeds.values()]
+        n = min(len(c) for c in curves)
+        for ax, col, offset in ((axes[0], 0, rec["step"]), (axes[1], 1, 0), (axes[2], 2, 0)):
+            x = [offset + statistics.fmean(c[j][col] for c in curves) for j in range(n)]
+            ys = [[c[j][3] for c in curves] for j in range(n)]
+            ax.plot(x, [statistics.fmean(y) for y in ys], color=f"C{i}",
+                    label=f"{arm} ({len(curves)})")
+            ax.fill_between(x, [min(y) for y in ys], [max(y) for y in ys], color=f"C{i}",
+                            alpha=0.2)
+    axes[0].axvline(rec["step"], color="grey", ls=":")
+    for ax, xl in zip(axes, ("step (trunk, then branch)", "rollouts since the branch",
+                             "training CPU seconds since the branch")):
+        ax.set_xlabel(xl)
+        ax.set_ylabel("mean exact Q over the 64 prompts")
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
 
 
 def main(argv=None):
@@ -193,22 +416,44 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/revival", help="the runs' directory")
     ap.add_argument("--raw", default=str(RAW), help="the raw results' directory")
     ap.add_argument("--only", choices=("trunk", "arms"), default=None, help="one phase")
+    ap.add_argument("--prompts", type=int, default=N_PROMPTS,
+                    help="the trunk's fixed set: the sets task's first n eval prompts")
     ap.add_argument("--chunk", type=int, default=50, help="trunk steps between plateau tests")
     ap.add_argument("--max_steps", type=int, default=2000, help="the trunk's most steps")
     ap.add_argument("--trunk_cap", type=float, default=3600, help="the trunk's CPU seconds")
     ap.add_argument("--window", type=int, default=100, help="the plateau rule's steps")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                    help="the arms' seeds")
+    ap.add_argument("--jobs", type=int, default=2, help="arm runs at once (one thread each)")
+    ap.add_argument("--cap", type=float, default=2400, help="an arm run's CPU seconds at most")
     ap.add_argument("--report", action="store_true", help="tables and figure from the raw files")
     a = ap.parse_args(argv)
-    for name in ("chunk", "max_steps", "window"):
+    for name in ("chunk", "max_steps", "window", "prompts", "jobs"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} {getattr(a, name)}: need >= 1")
-    if not (math.isfinite(a.trunk_cap) and a.trunk_cap > 0):
-        ap.error(f"--trunk_cap {a.trunk_cap}: need a finite number of CPU seconds > 0")
+    for name in ("trunk_cap", "cap"):
+        if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
+            ap.error(f"--{name} {getattr(a, name)}: need a finite number of CPU seconds > 0")
+    if min(a.seeds) < 0:
+        ap.error(f"--seeds {a.seeds}: need seeds >= 0")
     out, raw = Path(a.out), Path(a.raw)
+    if a.report:
+        if not (raw / "trunk" / "plateau.json").is_file():
+            sys.exit(f"revival_study --report: {raw / 'trunk' / 'plateau.json'} is missing: "
+                     "nothing to report (run the trunk first)")
+        text = report(raw)
+        write_atomic(raw / "report.md", text)
+        figure(raw, raw / "revival.png")
+        print(text)
+        return
     out.mkdir(parents=True, exist_ok=True)
     if a.only in (None, "trunk"):
-        record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, a.window)
+        record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, a.window, a.prompts)
         print(json.dumps({k: v for k, v in record.items() if k != "stuck"}), flush=True)
+        if not record:
+            return
+    if a.only in (None, "arms"):
+        arms(out, raw, a.seeds, a.jobs, a.cap, a.prompts)
 
 
 if __name__ == "__main__":

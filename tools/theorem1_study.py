@@ -269,8 +269,8 @@ def pass_against_trained(runs: list) -> list:
     r = statistics.correlation([dq for dq, _, _ in runs], [p for _, p, _ in runs])
     tc = beta[2] / se[2]
     return [f"pass1024 against dq over the {len(runs)} sets runs (nalone and iso): Pearson r "
-            f"{r:.2f}; fitted pass1024 = {beta[0]:.4g} {beta[1]:+.4g} dq {beta[2]:+.4g} log2 N, "
-            f"log2 N's coefficient t {tc:.2f}, p {t_p(tc, df):.2g} ({df} df)", ""]
+            f"{r:.2f};", f"fitted pass1024 = {beta[0]:.4g} {beta[1]:+.4g} dq {beta[2]:+.4g} "
+            f"log2 N, log2 N's coefficient t {tc:.2f}, p {t_p(tc, df):.2g} ({df} df)", ""]
 
 
 def report(raw: Path) -> str:
@@ -298,10 +298,9 @@ def report(raw: Path) -> str:
                                      "du_pos_fell", "sign_agree", "corr", "dq_trained",
                                      "dlog10q_trained", "others_dlog10q"])
             lines += tests(configs, "du_pos_mean", base) + tests(configs, "du_pos_fell", base)
-            lines += table("nalone: sizes, over the same groups (the unsampled right mass before "
-                           "the step, its measured loss and the free-logit prediction of that "
-                           "loss, each a mean over groups of the fall, 0 where it rose; the share "
-                           "of a prompt's change from the steps it was left out of)", configs,
+            # u_pos: the unsampled right mass before the step; du_pos_loss and pred_du_pos_loss:
+            # its measured and predicted fall in the update (0 where it rose), means over groups.
+            lines += table("nalone: sizes, over the same groups", configs,
                            ["u_pos2", "u_pos", "du_pos_loss", "pred_du_pos_loss", "others_share"])
             lines += tests(configs, "du_pos_loss", base) + tests(configs, "u_pos", base)
     if len(trained) > 3:

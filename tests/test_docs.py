@@ -867,3 +867,21 @@ def test_the_breadth_page_leads_the_book():
         assert f"]({study})" in page, study
     readme = (ROOT / "README.md").read_text().split("## Results", 1)[1].split("\n## ", 1)[0]
     assert "docs/results/breadth.md" in readme
+
+
+def test_the_kernels_docstring_names_what_the_backward_saves():
+    """kernels.py's map names every tensor its autograd Function saves for the backward."""
+    import inspect
+    import kernels
+    saved = re.search(r"ctx\.save_for_backward\(([^)]*)\)", inspect.getsource(kernels))[1]
+    said = " ".join(kernels.__doc__.split()).split("Saved for the backward:", 1)[1].split(".")[0]
+    assert [n.strip() for n in saved.split(",") if n.strip() not in said] == [], said
+
+
+def test_keep_is_counted_before_the_cut_to_b():
+    """keep_rate counts the groups that survived dynamic sampling, before the cut to B, over the
+    groups generated; the README's legend says so."""
+    import inspect
+    source = inspect.getsource(import_module("steplog"))
+    assert 'stats["groups_survived"] / max(stats["groups_generated"], 1)' in source
+    assert "before the cut to B" in readme_legend()["keep"]

@@ -1,5 +1,5 @@
 """
-brorl: BroRL (arXiv 2510.01180) in one file. RL with verifiable rewards, scaled along the
+brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180) in one file. RLVR, scaled along the
 *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):

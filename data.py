@@ -19,7 +19,8 @@ slips most of the rest: pass@1 low, pass@k high. RL has to find and amplify the 
 which is what RLVR does to a real model. The hard variant (p_correct 0.02; slips a+b+1, a+b-1
 and copying an operand, see HARD_SLIPS) makes the right mode rare: ~3% of samples, which is
 where breadth (many rollouts per prompt, large N) should matter. The harder variant (p_correct
-0.003, the only slip copying an operand) makes it rarer still: ~0.1% of samples at T = 1.
+0.003, the only slip copying an operand) makes it rarer still: 0.06% of samples at T = 1 (its
+warmstart.json).
 The keys task ("keys", tools/breadth_study.py): 512 prompts "k<two letters>=", each with its own
 3-digit value and four decoys; train = eval. Its warm start (assets/tiny-keys) sets each prompt's
 right mass apart, log-uniformly: where breadth can act (see below; its limits too).
@@ -69,7 +70,7 @@ from lib import tasks  # real datasets by schema (imports nothing of ours)
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
 EMBEDDED_MODEL_HARD = ASSETS / "tiny-arith-hard"  # the right mode is rare (a few percent)
-# Rarer still (~0.1%): the far end of the difficulty map.
+# Rarer still (~0.06%): the far end of the difficulty map.
 EMBEDDED_MODEL_HARDER = ASSETS / "tiny-arith-harder"
 EMBEDDED_MODEL_SETS = ASSETS / "tiny-sets"  # the sets task: many right values a prompt, each rare
 # The keys task: each prompt's right mass set apart (log-uniform).
@@ -239,7 +240,7 @@ def sets_problems() -> list[dict]:
 
 def load_task(task: str, split: str, n: int | None = None, seed: int = 0,
               digits: int = 3) -> list[dict]:
-    """Examples dict(prompt, answer, task) for task "arith", "keys" or "<schema>:<source>"
+    """Examples dict(prompt, answer, task) for task "arith", "keys", "sets" or "<schema>:<source>"
     (gsm8k:, math:; lib/tasks.py reads them). split "train" or "test" is held out by a hash of the
     problem text (for a dataset, of all its rows: one file, or one hub split); "all" is every row
     of a dataset (a separate held-out source, --eval_task). n=None: every row of the split, or

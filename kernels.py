@@ -12,8 +12,9 @@ For every row r of logits (R, V) and its target token t_r, with temperature T:
 Forward: one pass over the vocabulary in blocks, keeping a running max m, a running sum
 s = sum exp(x - m) and t = sum exp(x - m) (x - m) for the entropy; when the max grows from m
 to m', old sums are rescaled by exp(m - m') (the "online softmax" of the flash-attention and
-fused-softmax kernels). Only lse (R,) is saved. Backward: a second pass that recomputes
-p = exp(x - lse) block by block and writes the gradient straight into the logits' dtype.
+fused-softmax kernels). Saved for the backward: lse (R,), and the logits and targets by
+reference (no copy). Backward: a second pass that recomputes p = exp(x - lse) block by block and
+writes the gradient straight into the logits' dtype.
 Nothing of size (R, V) is ever held in fp32: the only (R, V) tensor made is the gradient itself.
 Rows whose target is -100 are ignored: logp 0, entropy 0, gradient exactly 0.
 

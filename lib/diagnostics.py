@@ -3,7 +3,8 @@ diagnostics.py: what each evaluation measures beyond pass@k, the correct mass th
 is about (docs/paper.md §3). brorl.train calls Diagnostics.measure right after brorl.evaluate, on
 the same random stream, and logs its metrics in the same row:
   - the probe's Q (probe_mass): each probe prompt's correct mass Q(x), estimated by the pass rate
-    of --probe_samples rollouts, and how many prompts rose or fell since step 0;
+    of --probe_samples rollouts at --temperature, and the shares of prompts whose Q rose or fell
+    since step 0;
   - the exact Q (lib/mass.py): Q(x) computed, not sampled, where the right answer is one token
     sequence (the arith, keys and sets tasks), with its zones;
   - with --alloc adaptive, the estimate's calibration against the exact Q (lib/allocation.py);

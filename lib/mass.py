@@ -3,9 +3,10 @@ mass.py: the exact correct mass of a prompt. Theorem 1 and Lemma 2 (docs/paper.m
 Q_pos, the correct mass of one softmax over free logits; a language model's per-prompt Q(x), the
 probability the policy gives its correct answers, is read by analogy to it. The probe
 (lib/diagnostics.probe_mass) samples Q(x) (the probe's Q), which cannot see a mass below
-1/probe_samples; this module computes it (the exact Q). Where the right answer is one token sequence
-(the arith and keys tasks: the digits of the gold, then EOS), Q(x) is exact: the product of that
-sequence's tempered token probabilities, teacher-forced, from one forward through the log-prob path
+1/probe_samples; this module computes it (the exact Q). Where the right answers are listed token
+sequences (on the arith task and on keys the digits of the gold, then EOS; on sets each of its
+right values), Q(x) is exact: the product of a sequence's tempered token probabilities (summed over
+a prompt's right values on sets), teacher-forced, from one forward through the log-prob path
 the update uses (lib/policy.py's response_logprobs, the log-prob kernel). It is a lower bound on the
 verifier's accepted mass: the integer rule also takes " 579" or "0579", strings no warm start ever
 wrote.

@@ -105,18 +105,23 @@ def mann_whitney(a: list, b: list) -> float:
 def welch(a: list, b: list) -> tuple:
     """Welch's t and its two-sided p (df by Welch-Satterthwaite, at least 1). The t density's tail
     beyond |t| is integrated whole: with x = sqrt(df) tan(u) it is c sqrt(df) cos(u)^(df - 1) on
-    the finite interval [atan(|t| / sqrt(df)), pi / 2], by Simpson's rule."""
+    the finite interval [atan(|t| / sqrt(df)), pi / 2], by Simpson's rule (t_p)."""
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     if va + vb == 0:
         return float("nan"), float("nan")
     t = (statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return t, t_p(t, df)
+
+
+def t_p(t: float, df: float) -> float:
+    """The two-sided p of Student's t with df degrees of freedom."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
     lo, n = math.atan(abs(t) / math.sqrt(df)), 4000  # n: Simpson's intervals (even)
     h = (math.pi / 2 - lo) / n
     f = lambda u: max(math.cos(u), 0.0) ** (df - 1)
     simpson = f(lo) + f(math.pi / 2) + sum((4 if i % 2 else 2) * f(lo + i * h) for i in range(1, n))
-    return t, min(1.0, 2 * c * math.sqrt(df) * simpson * h / 3)
+    return min(1.0, 2 * c * math.sqrt(df) * simpson * h / 3)
 
 
 def read(raw: Path) -> dict:
@@ -124,9 +129,10 @@ def read(raw: Path) -> dict:
     return ablate.read_raw(raw)
 
 
-def sets_measures(rows: list) -> dict:
-    """A sets run's measures: the last eval's Figure 3 panels and mean Q against the first's; the
-    mass balance over its steps (a nalone run); rollouts and steps."""
+def sets_measures(rows: list, n: int, b: int, prompts: int = 256) -> dict:
+    """A sets run's measures (N = n, B = b, of `prompts` prompts): the last eval's Figure 3 panels
+    and mean Q against the first's; the mass balance over its steps (a nalone run); rollouts and
+    steps."""
     evals = [r for r in rows if "answers_q" in r]
     first, last = evals[0], evals[-1]
     steps = [r for r in rows if r["step"] > 0]
@@ -134,13 +140,16 @@ def sets_measures(rows: list) -> dict:
              dq=last["answers_q"] - first["answers_q"], right_rose=last["answers_right_rose"],
              worst_drop=last["answers_right_worst_drop"], pass1024=last["answers_pass@1024"],
              pass1024_start=first["answers_pass@1024"], entropy=last["answers_entropy"],
-             samples=sum(r["samples"] for r in steps), steps=len(steps), **reach(rows))
+             samples=sum(r["samples"] for r in steps), steps=len(steps), **reach(rows, n))
     groups = [g for r in steps for g in r.get("balance_groups", [])]
     if groups:
         du = [g["U_pos_after"] - g["U_pos_before"] for g in groups]
         has_u = [(g, d) for g, d in zip(groups, du) if g["U_pos_before"] > 0]
         m.update(groups=len(groups), term3_neg=sum(g["term3"] < 0 for g in groups) / len(groups),
                  u_pos2=statistics.mean(g["U_pos2"] for g in groups),
+                 u_pos=statistics.mean(g["U_pos_before"] for g in groups),
+                 du_pos_loss=statistics.mean(max(0.0, -d) for d in du),
+                 pred_du_pos_loss=statistics.mean(max(0.0, -g["pred_du_pos"]) for g in groups),
                  du_pos_mean=statistics.mean(du),
                  du_pos_fell=sum(d < 0 for _, d in has_u) / max(len(has_u), 1),
                  u_pos_share=statistics.mean(g["U_pos_before"] / max(g["q_before"], 1e-300)
@@ -153,15 +162,22 @@ def sets_measures(rows: list) -> dict:
                                                  for g in groups),
                  others_dlog10q=statistics.mean(r["balance_others_dlog10q"] for r in steps
                                                 if "balance_others_dlog10q" in r))
+        # A prompt is trained in about steps * B / prompts steps and left out of the rest: the
+        # share of its change of log10 Q over a run that came from the steps it was left out of.
+        own = len(steps) * b / prompts
+        others = (len(steps) - own) * m["others_dlog10q"]
+        m["others_share"] = others / (others + own * m["dlog10q_trained"])
     return m
 
 
-def reach(rows: list, small_n: int = 16, large_n: int = 512) -> dict:
+def reach(rows: list, n: int, small_n: int = 16, large_n: int = 512) -> dict:
     """Where each prompt's exact Q went, by two different measures (every prompt of the task is
     followed): the prompts below the gate AT THE START (Q < 1/large_n at the first eval), and the
     prompts NEVER SAMPLED RIGHT (no rollout of any generated group, dropped ones included, was right
     in the whole run). For each: how many, the median change of log10 Q first eval -> last, how many
-    fell and how many fell by more than a decade; and the gate prompts that ended below the gate."""
+    fell and how many fell by more than a decade; and the gate prompts that ended below the gate.
+    never_drawn: how many prompts no step drew at all, expected from each step's draws (its
+    rollouts / n, distinct prompts drawn uniformly); each is also never sampled right."""
     evals = [r for r in rows if "mass_exact_log10" in r]
     prompts = evals[0]["mass_exact_prompts"]
     start = dict(zip(prompts, evals[0]["mass_exact_log10"]))
@@ -180,16 +196,18 @@ def reach(rows: list, small_n: int = 16, large_n: int = 512) -> dict:
                   f"{name}_fell_decade": sum(x < -1 for x in d)})
     gate = [p for p in prompts if low <= start[p] < high]
     m.update(gate=len(gate), gate_sank=sum(end[p] < low for p in gate))
+    m["never_drawn"] = len(prompts) * math.prod(
+        1 - min(r["samples"] / n, len(prompts)) / len(prompts) for r in rows if r["step"] > 0)
     return m
 
 
-def keys_measures(rows: list) -> dict:
+def keys_measures(rows: list, n: int) -> dict:
     evals = [r for r in rows if "mass_exact_mean" in r]
     steps = [r for r in rows if r["step"] > 0]
     return dict(q_start=evals[0]["mass_exact_mean"], q_end=evals[-1]["mass_exact_mean"],
                 dq=evals[-1]["mass_exact_mean"] - evals[0]["mass_exact_mean"],
                 gate_end=evals[-1]["mass_exact_gate"], samples=sum(r["samples"] for r in steps),
-                steps=len(steps), **reach(rows))
+                steps=len(steps), **reach(rows, n))
 
 
 def pearson(x: list, y: list) -> float:
@@ -228,18 +246,45 @@ def tests(configs: dict, key: str, base: str) -> list:
 
 
 REACH = ["below", "below_dlog10_median", "below_fell", "never", "never_dlog10_median", "never_fell",
-         "never_fell_decade", "below_never", "below_never_dlog10_median", "gate", "gate_sank"]
+         "never_fell_decade", "never_drawn", "below_never", "below_never_dlog10_median", "gate",
+         "gate_sank"]
+
+
+def n_b(name: str) -> tuple:
+    """(N, B) from a config's name: N=16,B=8 -> (16, 8)."""
+    named = dict(part.split("=") for part in name.split(","))
+    return int(named["N"]), int(named["B"])
+
+
+def pass_against_trained(runs: list) -> list:
+    """Over runs of the sets task, as (dq, pass1024, N): pass@1024's Pearson r with dq, and the
+    least-squares fit pass1024 = a + b dq + c log2 N, with c's t and two-sided p: does N widen the
+    answer distribution beside how far a run trained?"""
+    import numpy as np
+    x = np.array([[1.0, dq, math.log2(n)] for dq, _, n in runs])  # (runs, 3)
+    y = np.array([p for _, p, _ in runs])  # (runs,)
+    beta = np.linalg.lstsq(x, y, rcond=None)[0]  # (3,)
+    resid, df = y - x @ beta, len(y) - 3  # (runs,)
+    se = np.sqrt(np.diag(resid @ resid / df * np.linalg.inv(x.T @ x)))  # (3,)
+    r = statistics.correlation([dq for dq, _, _ in runs], [p for _, p, _ in runs])
+    tc = beta[2] / se[2]
+    return [f"pass1024 against dq over the {len(runs)} sets runs (nalone and iso): Pearson r "
+            f"{r:.2f};", f"fitted pass1024 = {beta[0]:.4g} {beta[1]:+.4g} dq {beta[2]:+.4g} "
+            f"log2 N, log2 N's coefficient t {tc:.2f}, p {t_p(tc, df):.2g} ({df} df)", ""]
 
 
 def report(raw: Path) -> str:
     data = read(raw)
     lines = []
     order = lambda d: dict(sorted(d.items(), key=lambda kv: int(kv[0].split(",")[0][2:])))
+    trained = []  # (dq, pass1024, N) of every sets run
     for sweep in ("nalone", "iso"):
         if sweep not in data:
             continue
-        configs = {c: {s: sets_measures(rows) for s, rows in runs.items()}
+        configs = {c: {s: sets_measures(rows, *n_b(c)) for s, rows in runs.items()}
                    for c, runs in order(data[sweep]).items()}
+        trained += [(m["dq"], m["pass1024"], n_b(c)[0]) for c, runs in configs.items()
+                    for m in runs.values()]
         lines += table(f"{sweep}: the answer distribution, first eval -> last", configs,
                        ["q_start", "q_end", "dq", "right_rose", "worst_drop", "pass1024_start",
                         "pass1024", "entropy", "samples"])
@@ -252,17 +297,26 @@ def report(raw: Path) -> str:
                            configs, ["groups", "u_pos_share", "u_pos2", "term3_neg", "du_pos_mean",
                                      "du_pos_fell", "sign_agree", "corr", "dq_trained",
                                      "dlog10q_trained", "others_dlog10q"])
-            lines += tests(configs, "du_pos_mean", base)
+            lines += tests(configs, "du_pos_mean", base) + tests(configs, "du_pos_fell", base)
+            # u_pos: the unsampled right mass before the step; du_pos_loss and pred_du_pos_loss:
+            # its measured and predicted fall in the update (0 where it rose), means over groups.
+            lines += table("nalone: sizes, over the same groups", configs,
+                           ["u_pos2", "u_pos", "du_pos_loss", "pred_du_pos_loss", "others_share"])
+            lines += tests(configs, "du_pos_loss", base) + tests(configs, "u_pos", base)
+    if len(trained) > 3:
+        lines += pass_against_trained(trained)
     if "keys2x2" in data:
-        configs = {c: {s: keys_measures(rows) for s, rows in runs.items()}
+        configs = {c: {s: keys_measures(rows, n_b(c)[0]) for s, rows in runs.items()}
                    for c, runs in data["keys2x2"].items()}
         lines += table("keys2x2: mean exact Q of the 512 prompts", configs,
                        ["q_start", "q_end", "dq", "gate_end", "samples"])
         lines += tests(configs, "dq", "N=16,B=4") + tests(configs, "dq", "N=16,B=16")
         lines += table("keys2x2: the 512 prompts by where they started and by what was sampled",
                        configs, REACH)
+        lines += (tests(configs, "never_dlog10_median", "N=16,B=16")
+                  + tests(configs, "never_fell_decade", "N=16,B=16"))
     if "prorl" in data:
-        configs = {c: {s: keys_measures(rows) for s, rows in runs.items()}
+        configs = {c: {s: keys_measures(rows, n_b(c)[0]) for s, rows in runs.items()}
                    for c, runs in data["prorl"].items()}
         lines += table("prorl: ProRL's shape on keys, mean exact Q", configs,
                        ["q_start", "q_end", "gate_end", "samples", "steps"])

@@ -60,8 +60,8 @@ import torch
 
 import data
 import verify
-from lib import (allocation, balance, config, diagnostics, distributed, evalonly, harness, samples,
-                 setup, steplog)
+from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
+                 steplog)
 from lib.config import fail
 from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
                             max_variance_subset)
@@ -70,156 +70,77 @@ from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, 
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the one typed source of truth. Every field is a --flag, and its comment is its --help.
+# Config: the recipe, one typed source with lib/config.py's RunOptions (the run's plumbing and the
+# research instruments), which it extends. Every field is a --flag, and its comment its --help.
 
 
 @dataclass
-class Config:
+class Config(config.RunOptions):
     # The model and the task.
-    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or
-                                           # local dir (default: the embedded tiny model)
-    task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a
-                         # .jsonl/.json/.parquet path or hub id[:config][@split]
-    eval_task: str = ""  # a separate held-out source, same syntax, all its rows
-                         # (default: --task's held-out split)
-    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set
-                                # (else refused: not held out)
-    system_prompt: str = ""  # system message before each prompt,
-                             # which needs a chat template (default: none)
-    digits: int = 3  # arith: digits per operand (the difficulty knob)
+    model: str = str(data.EMBEDDED_MODEL)  # the policy model: HF hub id (id@revision: a branch,
+        # tag or commit) or local dir (default: the embedded tiny model)
+    task: str = "arith"  # training task: arith, keys or sets (embedded: data.py), or gsm8k:/math:
+        # + a .jsonl/.json/.parquet path or hub id[:config][@split]
+    digits: int = 3  # arith's digits per operand (the difficulty knob)
+    seed: int = 0  # random seed of the prompts' draw, the sampling and every init
     dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32.
                          # auto: fp32 CPU, bf16 CUDA
-    device: str = "auto"  # auto = cuda if available else cpu
-    seed: int = 0  # seeds prompts, sampling and init of everything random
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
-    max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
+    max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are
+    top_p: float = 1.0  # rollouts' top-p nucleus; must be 1.0 to train: the loss's log-probs are
                         # the full tempered softmax's
-    max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
-    long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
     # Dynamic sampling, as DAPO's.
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
-    max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
-    train_prompts: int = 0  # keys, sets (train = eval): train on the eval set's first n prompts
-                            # alone (with B = n, each of them every step); 0: all
-    # Breadth in sampling but not in the update (PODS, arXiv 2504.13818): the update trains on the
-    # m rollouts of a group whose rewards vary most.
-    train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
-    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
-    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
-    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
-    alloc: str = "uniform"  # uniform (N a prompt) or adaptive
-                            # (R a step by each prompt's Q; PODS: min(m, n))
-    rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
-    min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
-    max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
-    alloc_decay: float = 0.95  # adaptive: the estimate's counts x this a step (the policy moves)
-    # Advantages are r - mean_group(r), then whitened (compute_advantages): over the batch's
-    # response tokens with batch (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run), over
-    # its responses with response, or by each group's std with group (GRPO's).
-    adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
+    dynamic_sampling: bool = True  # dynamic sampling: drop groups whose rewards are all equal
+    max_rounds: int = 8  # dynamic sampling's most rounds a step (then < B groups), each drawing
+                         # distinct prompts anew
+    # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
+    # trains on the m rollouts of a group whose rewards vary most.
+    adv_norm: str = "batch"  # advantage normalisation after r - mean_group(r): batch, response,
+                             # group or none (no division)
     focal_gamma: float = 0.0  # F-GRPO's focal weight (arXiv 2602.06717): each group's advantages
                               # x (1 - mu)^gamma, mu its success rate; 0: off
+    train_rollouts: int = 0  # m: rollouts per group the update trains on (PODS; 2 <= m <= N);
+                             # 0: all N
     # The policy update.
-    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
+    lr: float = 2e-4  # learning rate of AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
                       # for a 1.5B model; 5e-4 here overshoots)
-    weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
-    n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
-    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient;
-                            # lowered to fit --memory_gb
-    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
-    # shares the base model.
-    lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
-    lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama
-        # attention and MLP
-    grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one
-                             # layer, not all (~1/3 more compute)
-    # The old policy's log-probs are the sampler's (in fp32, a trainer forward's up to rounding) or
-    # a trainer forward's.
-    old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
-    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant;
-    # the README gives each one's command.
-    loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
-    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper,
-                                 # arXiv 2507.18071: 3e-4)
-    gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
-    clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4);
-                             # CISPO's eps_high on its weight
-    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss
+    weight_decay: float = 0.0  # weight decay of AdamW (unstated in the paper)
+    n_minibatches: int = 2  # mini-batches a step, one optimizer update each; BroRL keeps this
+                            # fixed as N grows
+    grad_clip: float = 1.0  # gradient clipping: max global grad norm
+    old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute (a trainer forward),
+                            # or auto: sampler in float32, recompute otherwise
+    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
+    loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
+    clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
+    clip_high: float = 0.28  # PPO's eps_high: the ratio's clip ceiling 1 + eps_high (clip-higher,
+                             # DAPO; ProRL v1 used 0.4); CISPO's eps_high on its weight
+    clip_ratio_c: float = 3.0  # dual-clip's c (verl; ppo only): a negative-advantage token's loss
                                # is at most -c*A; need c > 1
-    # Truncated importance sampling corrects for the sampler's numerics differing from the
-    # trainer's (its weight is 1 with --old_logp sampler).
-    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C)
-                          # (C = 2 as verl's examples); 0: off
-    # The loss's aggregation. token: the mean over the mini-batch's tokens (DAPO); sequence: each
-    # row's mean, then the mean over rows (GSPO's); constant: the sum / (max_new_tokens x the
-    # mini-batch's rows), a normaliser no response changes (Dr. GRPO).
-    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo
-                            # (its paper's), else token
-    kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
-    ref_reset_every: int = 100  # steps between reference resets to the current policy
-    grad_clip: float = 1.0  # max global grad norm
-    # The math verifier: rules (verify.py), math_verify, or both, correct if either accepts
-    # (the paper's).
-    verifier: str = "auto"  # rules, math_verify, both;
-                            # auto: both if math-verify is installed, else rules
-    # The schedule, the evaluation and the output.
-    steps: int = 100  # training steps (the most, with --time_budget)
-    time_budget: float = 0.0  # seconds of training (evaluations excluded);
-                              # stop at the first step past it (0: off)
-    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time:
-                                # others' load cannot inflate it)
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
+    gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
+    tis_cap: float = 2.0  # truncated importance sampling's cap C: policy loss x
+        # min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
+    loss_agg: str = "auto"  # loss aggregation: token (the mean over the mini-batch's tokens),
+        # sequence (rows' means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo,
+        # else token
+    kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0 disables it (ProRL v2
+                          # configs: 1e-4)
+    ref_reset_every: int = 100  # steps between resets of the KL's reference to the current policy
+    verifier: str = "auto"  # the math verifier: rules, math_verify, or both (right if either
+                            # accepts); auto: both if math-verify is installed, else rules
+    # The schedule and the evaluation.
+    steps: int = 100  # training steps to run (the most, with --time_budget)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_seed: int = 0  # draws the held-out problems (eval and probe),
-                        # apart from --seed: every seed scores the same ones
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean,
-                            # pass@k unbiased; paper 16)
-    eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
+    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased;
+                            # paper 16)
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
     probe_samples: int = 512  # samples per probe prompt, whatever N is:
                               # Q(x) is measured alike across N
-    mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the
-                           # eval set; n > 0 n train prompts
-    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high;
-                            # 1/gate_large_n <= Q < 1/this is the gate; below, low
-    gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
-    # The sets task: every answer's exact probability (lib/answers.py) for the first n eval prompts
-    # at every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread).
-    answer_prompts: int = 0  # n prompts; 0: off
-    # The sets task, one process: each trained group's mass balance and Theorem 1's terms
-    # (lib/balance.py).
-    mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
-    sample_prompts: int = 4  # held-out prompts whose responses each eval writes
-                             # to samples.jsonl (lib/samples.py)
-    sample_responses: int = 4  # responses kept per prompt: the eval's first, and with
-                               # --sample_groups the trained ones'
-    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl,
-                            # with their advantages
-    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%,
-                            # on a CPU the machine's RAM
-    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit,
-                        # loading no weights
-    save: bool = True  # checkpoint to <out>/ckpt at every eval:
-                       # the policy (HF format) + what --resume needs
-    out: str = ""  # run directory (default: runs/<task>-<time>)
-    report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb
-                             # (lib/report.py)
-    resume: str = ""  # run directory to continue from its checkpoint: its config.json,
-                      # then the flags given
-    init_from: str = ""  # a run directory (or its ckpt/): start from its policy,
-                         # at step 0, in a new run directory
-    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are
-                                  # this run's); else a fresh AdamW
-    preset: str = ""  # a named bundle of overrides, applied before the other flags
-    eval_only: bool = False  # evaluate --model on the held-out set,
-                             # write <out>/eval.json, train nothing
-
 
 
 def parse_config(argv=None) -> Config:
@@ -327,13 +248,26 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 
 
 # ----------------------------------------------------------------------------
-# Advantages
+# Advantages, over the rows the update trains on: flat, group-major, each with its group's index
 
 
-def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None,
-                       focal_gamma: float = 0.0) -> torch.Tensor:
-    """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per
-    response. r - mean_group(r), then
+def trained_rows(kept: list, m: int = 0) -> tuple:
+    """The rows the update trains on: of each kept group, the m rollouts whose rewards vary most
+    (--train_rollouts, PODS: max_variance_subset; m = 0, or more than the group's n: all of them).
+    Returns each group's chosen rollouts (G tensors (m_j,) of indices among its n), and each row's
+    group, reward and valid tokens, flat and group-major (R,) each."""
+    chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
+              for k in kept]
+    group = torch.arange(len(kept)).repeat_interleave(torch.tensor([len(c) for c in chosen]))
+    rewards = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
+    lengths = torch.cat([k.lengths[c] for k, c in zip(kept, chosen)])  # (R,)
+    return chosen, group, rewards, lengths
+
+
+def compute_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "batch",
+                       lengths=None, focal_gamma: float = 0.0) -> torch.Tensor:
+    """rewards (R,), one per response, group (R,) the index of its prompt's group (groups of equal
+    or unequal N alike), lengths (R,) its valid tokens -> advantages (R,). r - mean_group(r), then
       batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as
                 ProRL v2 and BroRL): each response counts once per token, so with the token-mean
                 loss the advantages sum to 0 over tokens whatever the lengths. Unbiased variance,
@@ -342,40 +276,21 @@ def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None,
                 2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the
     rest, as verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it
-    stays 0). Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors
-    (n_j,): each group centred on its own mean (group: its own std), the batch's whitening over all
-    valid tokens (or responses) of all groups, each response weighted by its length as before; a
-    list back. focal_gamma > 0: each group's advantages then x (1 - mu)^gamma (F-GRPO's focal
+    stays 0). focal_gamma > 0: each group's advantages then x (1 - mu)^gamma (F-GRPO's focal
     weight, lib/objectives.py), mu its success rate."""
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-    if focal_gamma:
-        adv = compute_advantages(rewards, norm, lengths)
-        if isinstance(rewards, list):
-            return [a * focal_weight(r[None], focal_gamma)[0] for a, r in zip(adv, rewards)]
-        return adv * focal_weight(rewards, focal_gamma)  # (G, N) x (G, 1)
-    if isinstance(rewards, list):
-        return compute_ragged_advantages(rewards, norm, lengths)
-    centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
+    each = [rewards[group == j] for j in range(int(group.max()) + 1)]  # G tensors (n_j,)
+    mean = torch.stack([r.mean() for r in each])  # (G,) each group's mean reward
+    centred = rewards - mean[group]  # (R,)
     if norm == "group":
-        return centred / (rewards.std(1, keepdim=True) + 1e-6)
-    if norm == "none":
-        return centred
-    # Whitened over the whole batch: with K processes every rank holds all groups' rewards and
-    # lengths. Each response weighs its valid tokens (batch) or 1 (response). (G, N)
-    return whiten(centred, lengths if norm == "batch" else torch.ones_like(centred))
-
-
-def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
-    """compute_advantages for G groups of unequal N, each (n_j,): the same arithmetic on the flat
-    (sum n_j,) rollouts, so that equal n_j give the rectangular path's numbers."""
-    if norm == "group":
-        return [(r - r.mean()) / (r.std() + 1e-6) for r in rewards]
-    centred = torch.cat([r - r.mean() for r in rewards])  # (sum n_j,)
-    if norm in ("batch", "response"):
-        centred = whiten(centred, torch.cat(lengths) if norm == "batch"
-                         else torch.ones_like(centred))  # (sum n_j,)
-    return list(centred.split([len(r) for r in rewards]))
+        adv = centred / (torch.stack([r.std() for r in each])[group] + 1e-6)  # (R,)
+    elif norm == "none":
+        adv = centred
+    else:  # Over the whole batch: with K processes every rank holds all rows' rewards and
+        # lengths. Each response weighs its valid tokens (batch) or 1 (response). (R,)
+        adv = whiten(centred, lengths if norm == "batch" else torch.ones_like(centred))
+    return adv * focal_weight(mean, focal_gamma)[group] if focal_gamma else adv  # (R,)
 
 
 def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -535,67 +450,43 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            followed=(), estimate=None) -> dict:
+            sample=None) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
     replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
-    followed: with --mass_balance, the prompts whose Q is followed when not trained.
-    estimate: --alloc adaptive's per-prompt Q (lib/allocation.py), updated here."""
+    sample: the rollout and dynamic sampling phases, sample_step_groups unless train() gives
+    another (--alloc adaptive's, lib/allocation.py; --mass_balance's watch, lib/diagnostics.py)."""
     replica.eval()
     t0 = time.perf_counter()
     # No weight changes while sampling, so the autocast region's cache stays valid.
     with autocast(cfg, replica.device):
-        if estimate is None:
-            kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
-        else:  # --alloc adaptive: one round, its R rollouts split by each prompt's estimated Q.
-            sample = lambda batch, n, seeds: sample_groups(replica, tok, cfg, batch, n, seeds)
-            kept, stats = allocation.sample_allocated_groups(sample, cfg, train_set, rng, step,
-                                                             estimate)
+        kept, stats = (sample or sample_step_groups)(replica, tok, cfg, train_set, rng, step,
+                                                     keep_est)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # Else every group was all right or all wrong: nothing to learn from this step.
-        # --train_rollouts m (PODS): the update trains on m rows of each group and takes the
-        # advantages over those m; m = N is exactly the run without it.
-        trains_on = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m
-        if len({len(k.rewards) for k in kept}) == 1:  # One N, as always with --alloc uniform.
-            all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
-            chosen = max_variance_subset(all_rewards, trains_on(all_rewards.shape[1]))  # (G, m)
-            rewards = all_rewards.gather(1, chosen)  # (G, m)
-            # Each chosen response's valid tokens. (G, m)
-            lengths = torch.stack([k.lengths for k in kept]).gather(1, chosen)
-        else:
-            # Groups of unequal N (--alloc adaptive): lists of G tensors, (m_j,) each.
-            chosen = [max_variance_subset(k.rewards[None], trains_on(len(k.rewards)))[0]
-                      for k in kept]
-            rewards = [k.rewards[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,)
-            lengths = [k.lengths[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,) valid tokens
-            all_rewards = torch.cat([k.rewards for k in kept])  # (all kept rollouts,)
-        # (G, m), or G tensors (m_j,)
-        adv = compute_advantages(rewards, cfg.adv_norm, lengths, cfg.focal_gamma)
-        # Each kept group moves to the rank that trains it (K = 1: all stay here); this rank's
-        # groups become one batch, which carries every rank's lengths.
-        groups = distributed.balance([k.rollouts.group(k.index, chosen[j])
-                                      if k.rollouts is not None else None
-                                      for j, k in enumerate(kept)])
-        my_groups = [j for j, x in enumerate(groups) if x is not None]
-        batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)
-        # On --mass_balance's steps, the answer distributions before the update (lib/balance.py).
-        balanced = cfg.mass_balance and step % cfg.mass_balance == 0
-        before = balance.Snapshot(replica, tok, cfg, kept, followed) if balanced else None
+        # The rows trained on (--train_rollouts m, PODS: m of each group; else all), flat. (R,)
+        chosen, group, rewards, lengths = trained_rows(kept, cfg.train_rollouts)
+        adv = compute_advantages(rewards, group, cfg.adv_norm, lengths, cfg.focal_gamma)  # (R,)
+        batch, my_adv = pack_rows(kept, chosen, adv, model.device)
         model.train()
-        # The advantages of this rank's rows. (its rows,)
-        my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])
-        upd = update_policy(model, ref_model, opt, batch, my_adv.to(model.device), cfg, gen_cpu)
+        upd = update_policy(model, ref_model, opt, batch, my_adv, cfg, gen_cpu)
         distributed.refresh(model, replica)  # The replica follows the update: one gather a step.
-        if balanced:  # And after it: the four parts' mass, Theorem 1's terms, the others' Q.
-            replica.eval()
-            after = balance.Snapshot(replica, tok, cfg, kept, followed)
-            upd.update(balance.records(before, after, kept, chosen))
-        # The rewards of the rows trained on, against all N of the kept groups. (G, m) or (sum m_j,)
-        trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)
-        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())
-        # The trained groups' responses go to samples.jsonl, not to metrics.jsonl.
-        upd["train_responses"] = samples.group_records(kept, chosen, adv, tok, cfg)
+        # The trained rows' reward; the mass balance; samples.jsonl's responses (not metrics').
+        upd.update(diagnostics.step_records(replica, tok, cfg, kept, chosen, adv, stats))
     return steplog.step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
+
+
+def pack_rows(kept: list, chosen: list, adv: torch.Tensor, dev) -> tuple:
+    """The update's batch: each kept group's chosen rollouts moved to the rank that trains it
+    (K = 1: all stay here), this rank's groups packed into one batch (pack_groups) that carries
+    every rank's rows' lengths (G tensors (m_j,)); and this rank's rows' advantages (its rows,)."""
+    groups = distributed.balance([k.rollouts.group(k.index, c) if k.rollouts is not None else None
+                                  for k, c in zip(kept, chosen)])
+    mine = [j for j, x in enumerate(groups) if x is not None]
+    lengths = [k.lengths[c] for k, c in zip(kept, chosen)]
+    batch = dict(pack_groups([groups[j] for j in mine], dev), lengths=lengths)
+    each = adv.split([len(c) for c in chosen])  # G tensors (m_j,)
+    return batch, torch.cat([each[j] for j in mine] or [torch.zeros(0)]).to(dev)
 
 
 # ----------------------------------------------------------------------------
@@ -654,6 +545,10 @@ def train(cfg: Config) -> list:
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
+    # The step's sampling: sample_step_groups, or --alloc adaptive's; watched by --mass_balance.
+    sample = (allocation.sampler(estimate, sample_groups) if estimate is not None
+              else sample_step_groups)
+    sample = diagnostics.watch_sampling(sample, cfg, diag.exact_set)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the
@@ -672,8 +567,7 @@ def train(cfg: Config) -> list:
         with run.clock:  # Training time: evaluations and checkpoints are excluded.
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg,
-                                             run.train_set, rng, step, gen_cpu, keep_est,
-                                             diag.exact_set, estimate)}
+                                             run.train_set, rng, step, gen_cpu, keep_est, sample)}
             except FloatingPointError as e:
                 # The bad mini-batch was not applied: stop before training on it.
                 fail(f"step {step}: {e}")

@@ -70,6 +70,15 @@ PROMPTS = ["123+45=", "9+1=", "77+123+1=", "5"]  # different lengths: exercises 
 # advantages: centred per group, whitened over the batch
 
 
+def advantages(r, norm, lengths=None, focal_gamma=0.0):
+    """brorl.compute_advantages of (G, N) rewards and lengths, back as (G, N): its flat rows are
+    these, group-major."""
+    G, N = r.shape
+    group = torch.arange(G).repeat_interleave(N)  # (G*N,)
+    flat = None if lengths is None else lengths.flatten()
+    return brorl.compute_advantages(r.flatten(), group, norm, flat, focal_gamma).view(G, N)
+
+
 @pytest.mark.parametrize("norm", ["batch", "response", "group"])
 def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
     """With --dynamic_sampling 0 a group with no signal stays in the batch: centred to 0, then whitened
@@ -80,7 +89,7 @@ def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
     r[1], r[4] = 1.0, 0.0  # an all-right and an all-wrong group
     # right answers short, wrong ones long: the token mean of the centred values is negative
     lengths = torch.where(r > 0, torch.randint(5, 20, r.shape, generator=g), torch.randint(30, 50, r.shape, generator=g))
-    adv = brorl.compute_advantages(r, norm, lengths)
+    adv = advantages(r, norm, lengths)
     assert torch.isfinite(adv).all()
     assert (adv[0] != 0).any()
     if norm == "group":
@@ -96,16 +105,16 @@ def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
             assert adv[1, 0] > 0.1
             # the zero token-sum holds with the no-signal groups in it
             assert abs((adv.double() * lengths).sum() / lengths.sum()) < 1e-6
-    only_equal = brorl.compute_advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
+    only_equal = advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
     assert torch.equal(only_equal, torch.zeros(3, 4))
 
 
 def test_advantage_formulas():
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0]])
     centred = r - r.mean(1, keepdim=True)
-    torch.testing.assert_close(brorl.compute_advantages(r, "response"),
+    torch.testing.assert_close(advantages(r, "response"),
                                (centred - centred.mean()) / (centred.std() + 1e-6))
-    torch.testing.assert_close(brorl.compute_advantages(r, "group"), centred / (r.std(1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(advantages(r, "group"), centred / (r.std(1, keepdim=True) + 1e-6))
 
 
 def masked_whiten_reference(rewards, lengths):
@@ -127,20 +136,79 @@ def test_batch_norm_whitens_over_tokens_when_lengths_differ():
     # right answers short (~20 tokens), wrong ones long (~50): the token-weighted mean of the
     # group-centred advantages is negative, so token whitening shifts every advantage up
     lengths = torch.where(r > 0, torch.randint(10, 30, r.shape, generator=g), torch.randint(40, 60, r.shape, generator=g))
-    adv = brorl.compute_advantages(r, "batch", lengths)
+    adv = advantages(r, "batch", lengths)
     ref = masked_whiten_reference(r, lengths)
     torch.testing.assert_close(adv, ref.float(), rtol=1e-5, atol=1e-6)
     assert (adv[2] > 0).all()  # -mean/std: right answers are short, so the token mean is negative
     # over the valid tokens the advantages have mean 0; the per-response form's do not
     per_token_mean = lambda a: (a.double() * lengths).sum() / lengths.sum()
-    per_response = brorl.compute_advantages(r, "response", lengths)
+    per_response = advantages(r, "response", lengths)
     assert abs(per_token_mean(adv)) < 0.05 < abs(per_token_mean(per_response))
     assert (adv - per_response).abs().max() > 0.1  # the two forms differ by more than rounding
 
 
 def test_batch_norm_needs_lengths():
     with pytest.raises(ValueError, match="lengths"):
-        brorl.compute_advantages(torch.tensor([[1.0, 0.0]]), "batch")
+        advantages(torch.tensor([[1.0, 0.0]]), "batch")
+
+
+def rectangular_reference(r, norm, lengths, gamma):
+    """The advantages of (G, N) rewards by (G, N) arithmetic: each row's mean and std along it,
+    the whitening (brorl.whiten) over all entries, the focal weight of each row's mean."""
+    mean = r.mean(1, keepdim=True)  # (G, 1)
+    adv = {"group": lambda c: c / (r.std(1, keepdim=True) + 1e-6), "none": lambda c: c,
+           "batch": lambda c: brorl.whiten(c, lengths),
+           "response": lambda c: brorl.whiten(c, torch.ones_like(c))}[norm](r - mean)
+    return adv * (1 - mean).clamp(min=0) ** gamma if gamma else adv
+
+
+def ragged_reference(rs, norm, lengths, gamma):
+    """The advantages of G groups of unequal N, each (n_j,), group by group: each centred on its
+    own mean (group: by its own std), the whitening over all groups' entries, the focal weight of
+    each group's mean."""
+    if norm == "group":
+        adv = [(r - r.mean()) / (r.std() + 1e-6) for r in rs]
+    else:
+        centred = torch.cat([r - r.mean() for r in rs])
+        weights = torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)
+        adv = centred.split([len(r) for r in rs]) if norm == "none" else \
+            brorl.whiten(centred, weights).split([len(r) for r in rs])
+    return torch.cat([a * (1 - r.mean()).clamp(min=0) ** gamma if gamma else a
+                      for a, r in zip(adv, rs)])
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("norm", ["batch", "response", "group", "none"])
+@pytest.mark.parametrize("binary", [True, False])
+def test_flat_advantages_are_each_groups_arithmetic_to_the_bit(norm, gamma, binary):
+    """One path over flat rows with a group index: groups of equal N give the (G, N) arithmetic's
+    numbers and groups of unequal N the group-by-group ones, to the bit (binary rewards, as the
+    verifier's, and real ones), with and without the focal weight."""
+    g = torch.Generator().manual_seed(1 + binary)
+    draw = lambda *shape: (torch.randint(0, 2, shape, generator=g).float() if binary
+                           else torch.rand(*shape, generator=g))
+    r, lengths = draw(5, 8), torch.randint(1, 9, (5, 8), generator=g).double()  # (G, N) each
+    assert torch.equal(advantages(r, norm, lengths, gamma),
+                       rectangular_reference(r, norm, lengths, gamma))
+    sizes = [2, 7, 3, 16, 5]
+    rs = [draw(n) for n in sizes]
+    ls = [torch.randint(1, 9, (n,), generator=g).double() for n in sizes]
+    group = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (R,)
+    flat = brorl.compute_advantages(torch.cat(rs), group, norm, torch.cat(ls), gamma)
+    assert torch.equal(flat, ragged_reference(rs, norm, ls, gamma))
+
+
+def test_focal_weight_damps_the_groups_mostly_right():
+    """F-GRPO's focal weight: each group's advantages x (1 - mu)^gamma, mu its success rate, so a
+    group right 7 times of 8 keeps (1/8)^gamma of them and one right once 7/8^gamma; gamma 0 is the
+    unweighted advantages."""
+    r = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+    lengths = torch.full((2, 8), 3.0)
+    plain = advantages(r, "batch", lengths)
+    for gamma in (1.0, 2.0):
+        weight = torch.tensor([[1 / 8], [7 / 8]]) ** gamma  # (G, 1)
+        torch.testing.assert_close(advantages(r, "batch", lengths, gamma), plain * weight)
+    assert torch.equal(advantages(r, "batch", lengths, 0.0), plain)
 
 
 # ----------------------------------------------------------------------------

@@ -9,8 +9,7 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  Math-Verify (--verifier).
   3. dynamic     drop the groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or until a cap on rounds (then fewer; with none,
-                 no update). --alloc adaptive instead draws B prompts once and splits R rollouts
-                 among them by each one's estimated Q (lib/allocation.py).
+                 no update). --alloc adaptive samples its own way (lib/allocation.py).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), whitened over the batch's valid response
                  tokens (as verl); or over responses, or GRPO's / std_group, or nothing more
                  (Dr. GRPO).
@@ -18,10 +17,10 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping (or the
-                 alternatives of lib/objectives.py). Every log-prob comes from kernels.py: the
-                 update's by kernels.linear_logprobs (from hidden states, the logits never whole;
-                 a head that is not a plain linear layer: kernels.token_logprobs on its logits),
-                 the sampler's by kernels.token_logprobs on each decoded position's logits.
+                 alternatives of lib/objectives.py). Its forward, lib/policy.response_logprobs,
+                 runs each prompt once, its N rows attending to its keys and values. Log-probs:
+                 kernels.linear_logprobs from hidden states, the logits never whole (another head:
+                 kernels.token_logprobs on its logits); the sampler's kernels.token_logprobs.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
                  the correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled
                  on a probe set and exact where the answer is one token sequence
@@ -34,21 +33,17 @@ Where this simplifies the paper:
      checks it); in bf16 the old log-probs are a trainer forward's, and the drift is logged and
      corrected by TIS (--tis_cap).
   2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and
-     wrong addition procedures (data.py); RL selects the right one, as RLVR selects among a
-     model's behaviours.
+     wrong addition procedures (data.py); RL selects the right one, as RLVR a model's behaviour.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
-Run:
-  python brorl.py                             # the embedded tiny model and task: CPU, minutes
-  python brorl.py --preset gsm8k-0.5b         # a real one-GPU job (also math-1.5b; --plan: memory)
-  python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
-  torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes
-  python brorl.py --help                      # every flag
+Run: `python brorl.py` (the embedded tiny model, on a CPU, in minutes); `--preset gsm8k-0.5b` a
+real one-GPU job; `--resume runs/<run>` continues a run; `torchrun ... brorl.py` runs it on K
+processes; `--help` lists every flag (docs/running.md: all of it).
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
-embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner,
-processes, the eval's diagnostics); tools/ the programs run beside training. The paper, restated:
-docs/paper.md. Every figure: docs/results/.
+embedded model); lib/ what a reader may skip but lib/policy.response_logprobs (flags, run harness,
+model plumbing, planner, processes, the eval's diagnostics); tools/ the programs run beside
+training. The paper, restated: docs/paper.md. Every figure: docs/results/.
 """
 
 import math
@@ -70,8 +65,7 @@ from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, 
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the recipe, one typed source with lib/config.py's RunOptions (the run's plumbing and the
-# research instruments), which it extends. Every field is a --flag, and its comment its --help.
+# Config: the recipe (it extends lib/config.RunOptions); each field a --flag, its comment its help.
 
 
 @dataclass
@@ -83,76 +77,60 @@ class Config(config.RunOptions):
         # + a .jsonl/.json/.parquet path or hub id[:config][@split]
     digits: int = 3  # arith's digits per operand (the difficulty knob)
     seed: int = 0  # random seed of the prompts' draw, the sampling and every init
-    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32.
-                         # auto: fp32 CPU, bf16 CUDA
+    dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: fp32 CPU, bf16 CUDA
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
     max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollouts' top-p nucleus; must be 1.0 to train: the loss's log-probs are
-                        # the full tempered softmax's
+    top_p: float = 1.0  # rollouts' top-p nucleus; 1.0 to train (the loss's is the full softmax)
     # Dynamic sampling, as DAPO's.
     dynamic_sampling: bool = True  # dynamic sampling: drop groups whose rewards are all equal
-    max_rounds: int = 8  # dynamic sampling's most rounds a step (then < B groups), each drawing
-                         # distinct prompts anew
+    max_rounds: int = 8  # dynamic sampling's most rounds a step, each of new prompts (then < B)
     # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
     # trains on the m rollouts of a group whose rewards vary most.
-    adv_norm: str = "batch"  # advantage normalisation after r - mean_group(r): batch, response,
-                             # group or none (no division)
-    focal_gamma: float = 0.0  # F-GRPO's focal weight (arXiv 2602.06717): each group's advantages
-                              # x (1 - mu)^gamma, mu its success rate; 0: off
-    train_rollouts: int = 0  # m: rollouts per group the update trains on (PODS; 2 <= m <= N);
-                             # 0: all N
+    adv_norm: str = "batch"  # advantage normalisation after r - mean_group: batch, response,
+                             # group or none
+    focal_gamma: float = 0.0  # F-GRPO's focal weight: advantages x (1 - success rate)^gamma; 0: off
+    train_rollouts: int = 0  # m: rollouts per group the update trains on (PODS); 0: all N
     # The policy update.
     lr: float = 2e-4  # learning rate of AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
                       # for a 1.5B model; 5e-4 here overshoots)
     weight_decay: float = 0.0  # weight decay of AdamW (unstated in the paper)
-    n_minibatches: int = 2  # mini-batches a step, one optimizer update each; BroRL keeps this
-                            # fixed as N grows
+    n_minibatches: int = 2  # mini-batches a step, one AdamW update each (fixed as N grows)
     grad_clip: float = 1.0  # gradient clipping: max global grad norm
-    old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute (a trainer forward),
-                            # or auto: sampler in float32, recompute otherwise
+    old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
     loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
-    clip_high: float = 0.28  # PPO's eps_high: the ratio's clip ceiling 1 + eps_high (clip-higher,
-                             # DAPO; ProRL v1 used 0.4); CISPO's eps_high on its weight
-    clip_ratio_c: float = 3.0  # dual-clip's c (verl; ppo only): a negative-advantage token's loss
-                               # is at most -c*A; need c > 1
+    clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher); CISPO's
+    clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
-    tis_cap: float = 2.0  # truncated importance sampling's cap C: policy loss x
-        # min(exp(logp_old - logp_sampler), C) (C = 2 as verl's examples); 0: off
-    loss_agg: str = "auto"  # loss aggregation: token (the mean over the mini-batch's tokens),
-        # sequence (rows' means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo,
-        # else token
-    kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0 disables it (ProRL v2
-                          # configs: 1e-4)
+    tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
+    loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
+        # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo, else token
+    kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0: off (ProRL v2: 1e-4)
     ref_reset_every: int = 100  # steps between resets of the KL's reference to the current policy
-    verifier: str = "auto"  # the math verifier: rules, math_verify, or both (right if either
-                            # accepts); auto: both if math-verify is installed, else rules
+    verifier: str = "auto"  # math verifier: rules, math_verify or both; auto: both if installed
     # The schedule and the evaluation.
     steps: int = 100  # training steps to run (the most, with --time_budget)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean, pass@k unbiased;
-                            # paper 16)
+    eval_samples: int = 32  # samples per eval prompt (pass@1 their mean, pass@k unbiased; paper 16)
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt, whatever N is:
-                              # Q(x) is measured alike across N
+    probe_samples: int = 512  # samples per probe prompt whatever N is: Q(x) measured alike
 
 
 def parse_config(argv=None) -> Config:
-    """Config from the command line (lib/config.py): a preset, then the flags given, checked; or a
-    --resume."""
+    """The Config of the command line (lib/config.py): a preset, the flags, checked; or --resume."""
     return config.parse_config(Config, " ".join(__doc__.split("\n\n")[0].split()), argv)
 
 
 # ----------------------------------------------------------------------------
 # Rollouts: sampler.generate makes them (tokens, mask, the sampler's log-probs and entropies,
-# truncation flags and texts; row i belongs to prompt i // N). With K processes each rank samples
-# a share of the prompts, and every rank gets the scores of all.
+# truncation flags, texts; row i is prompt i // N's). Each of K ranks samples a share of the
+# prompts, and every rank gets the scores of all.
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
@@ -252,10 +230,9 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 
 
 def trained_rows(kept: list, m: int = 0) -> tuple:
-    """The rows the update trains on: of each kept group, the m rollouts whose rewards vary most
-    (--train_rollouts, PODS: max_variance_subset; m = 0, or more than the group's n: all of them).
-    Returns each group's chosen rollouts (G tensors (m_j,) of indices among its n), and each row's
-    group, reward and valid tokens, flat and group-major (R,) each."""
+    """The rows the update trains on: of each kept group the m rollouts whose rewards vary most
+    (PODS: max_variance_subset; m = 0 or m > n: all). Returns each group's chosen rollouts (G
+    tensors (m_j,), indices among its n) and each row's group, reward, valid tokens (R,) each."""
     chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
               for k in kept]
     group = torch.arange(len(kept)).repeat_interleave(torch.tensor([len(c) for c in chosen]))
@@ -271,13 +248,11 @@ def compute_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "
       batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as
                 ProRL v2 and BroRL): each response counts once per token, so with the token-mean
                 loss the advantages sum to 0 over tokens whatever the lengths. Unbiased variance,
-                eps 1e-8 inside the sqrt.
-      response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO,
-                2503.20783).
+                eps 1e-8 inside the sqrt. response: over responses; group: GRPO's /
+                (std_group + 1e-6); none: nothing more (Dr. GRPO, 2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the
     rest, as verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it
-    stays 0). focal_gamma > 0: each group's advantages then x (1 - mu)^gamma (F-GRPO's focal
-    weight, lib/objectives.py), mu its success rate."""
+    stays 0). focal_gamma > 0: each group's advantages x (1 - mu)^gamma, mu its success rate."""
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
     each = [rewards[group == j] for j in range(int(group.max()) + 1)]  # G tensors (n_j,)
@@ -308,18 +283,16 @@ def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------
-# Policy update: the loss per token (r, T) of r response rows, its normaliser, and the loop
-# over mini-batches.
+# Policy update: the loss per token (r, T) of r rows, its normaliser, the mini-batches' loop
 
 
 def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None,
                  dtype=torch.float32):
     """Per-token weights (r, T) in the loss's dtype, from the mini-batch's counts (n_tokens valid
-    tokens, n_rows rows): each row's weights are its own, so any micro-batching gives the same
-    gradient. token: 1 / n_tokens (DAPO, ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's);
-    constant: 1 / (max_len * n_rows), Dr. GRPO's, so that no response's length scales its own
-    tokens' gradient. Counts default to the rows given (with K processes: the mini-batch's over all
-    ranks)."""
+    tokens, n_rows rows; by default the rows given; with K processes, over all ranks): each row's
+    weights are its own, so any micro-batching gives the same gradient. token: 1 / n_tokens (DAPO,
+    ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's); constant: 1 / (max_len * n_rows), Dr.
+    GRPO's, so that no response's length scales its own tokens' gradient."""
     m = mask.to(dtype)  # (r, T)
     n_tokens = (m.sum() if n_tokens is None
                 else torch.as_tensor(n_tokens, dtype=dtype, device=m.device))
@@ -388,9 +361,9 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed
-    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows'
-    valid tokens; adv (r,): its rows'."""
+    """n_minibatches optimizer steps over the step's R rows, each on a mini-batch's summed
+    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] all rows' valid
+    tokens (G tensors (m_j,)); adv (r,): its rows'."""
     dev = adv.device
     # All ranks' R rows (G*m, or sum m_j), which of them this rank holds, and their valid tokens.
     layout = distributed.RowLayout(batch["lengths"], cfg.micro_batch, dev)
@@ -401,14 +374,11 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # and the reference's log-probs. (r, T) each
     old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
                                            layout.mine(torch.arange(R)), cfg, dev)
-    # The sampler/trainer drift: how far the policy that drew the tokens is from the loss's old
-    # policy. It is 0 by construction with the sampler's log-probs, and then the first
-    # mini-batch's max|ratio-1| measures it instead. (valid tokens,)
+    # The sampler/trainer drift: the loss's old policy against the policy that drew the tokens (0
+    # with the sampler's log-probs: the first mini-batch's max|ratio-1| measures it). (tokens,)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]
-    # Sums over tokens, then two maxima.
-    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(),
-                clip_frac=0.0, kl=0.0,
-                drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
+    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0,
+                kl=0.0, drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
     grad_norm = 0.0
     # Even mini-batches of a permutation that is the same on every rank: 10 rows in 4 make 3, 3,
     # 2, 2, and fewer rows than mini-batches make one row each.
@@ -452,9 +422,8 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
             sample=None) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
-    replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
-    sample: the rollout and dynamic sampling phases, sample_step_groups unless train() gives
-    another (--alloc adaptive's, lib/allocation.py; --mass_balance's watch, lib/diagnostics.py)."""
+    replica: the policy's full weights, for the rollouts (the policy itself when K = 1). sample:
+    the rollout and dynamic sampling phases (default sample_step_groups; train() gives its own)."""
     replica.eval()
     t0 = time.perf_counter()
     # No weight changes while sampling, so the autocast region's cache stays valid.
@@ -497,8 +466,7 @@ def pack_rows(kept: list, chosen: list, adv: torch.Tensor, dev) -> tuple:
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
     pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2,
-    4, ... and n itself; the sampled responses' mean length and truncated share; the first few of
-    them (samples.jsonl)."""
+    4, ... and n itself; the responses' mean length, truncated share and first few."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
     # Each prompt's n samples scored. (P, n) each
@@ -513,13 +481,12 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k)
                                   for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]  # k = --eval_samples
-    # Each held-out problem's correct samples of n, for paired tests between runs.
-    m["eval_correct"] = [int(c) for c in correct.sum(1)]
-    # The mean response length in tokens, and the share cut at the length cap.
-    m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())
-    # The first few responses go to samples.jsonl (harness.Run.log), not to metrics.jsonl.
-    m["eval_responses"] = responses
-    return m
+    # Each held-out problem's correct samples of n (for paired tests between runs); the mean
+    # response length in tokens and the share cut at the length cap; the first few responses
+    # (samples.jsonl's, written by harness.Run.log, not metrics.jsonl's).
+    return {**m, "eval_correct": [int(c) for c in correct.sum(1)], "eval_resp_len":
+            lengths.mean().item(), "eval_truncated": truncated.mean().item(),
+            "eval_responses": responses}
 
 
 # ----------------------------------------------------------------------------
@@ -545,10 +512,9 @@ def train(cfg: Config) -> list:
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
-    # The step's sampling: sample_step_groups, or --alloc adaptive's; watched by --mass_balance.
-    sample = (allocation.sampler(estimate, sample_groups) if estimate is not None
-              else sample_step_groups)
-    sample = diagnostics.watch_sampling(sample, cfg, diag.exact_set)
+    # The step's sampling: sample_step_groups, or --alloc adaptive's; --mass_balance watches it.
+    sample = diagnostics.watch_sampling(allocation.sampler(estimate, sample_groups) if estimate
+                                        else sample_step_groups, cfg, diag.exact_set)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the

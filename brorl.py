@@ -11,8 +11,7 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
      sampling    prompts until B groups survive, or until a cap on rounds (then fewer; with none,
                  no update). --alloc adaptive samples its own way (lib/allocation.py).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), whitened over the batch's valid response
-                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more
-                 (Dr. GRPO).
+                 tokens (as verl); or over responses, or GRPO's / std_group, or none (Dr. GRPO).
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
@@ -24,8 +23,7 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
                  the correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled
                  on a probe set and exact where the answer is one token sequence
-                 (lib/diagnostics.py); one log line per step, metrics.jsonl and metrics.png; a
-                 checkpoint at every eval.
+                 (lib/diagnostics.py); a log line a step, metrics.jsonl, metrics.png; checkpoints.
 
 Where this simplifies the paper:
   1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks.
@@ -230,12 +228,12 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 
 
 def trained_rows(kept: list, m: int = 0) -> tuple:
-    """The rows the update trains on: of each kept group the m rollouts whose rewards vary most
-    (PODS: max_variance_subset; m = 0 or m > n: all). Returns each group's chosen rollouts (G
-    tensors (m_j,), indices among its n) and each row's group, reward, valid tokens (R,) each."""
+    """The rows trained on, of each kept group the m whose rewards vary most (PODS; m = 0: all):
+    the chosen (G tensors (m_j,), indices among n), each row's group, reward, tokens (R,) each."""
     chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
               for k in kept]
-    group = torch.arange(len(kept)).repeat_interleave(torch.tensor([len(c) for c in chosen]))
+    sizes = torch.tensor([len(c) for c in chosen])  # (G,) rows per group
+    group = torch.arange(len(kept)).repeat_interleave(sizes)  # (R,)
     rewards = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
     lengths = torch.cat([k.lengths[c] for k, c in zip(kept, chosen)])  # (R,)
     return chosen, group, rewards, lengths
@@ -452,7 +450,7 @@ def pack_rows(kept: list, chosen: list, adv: torch.Tensor, dev) -> tuple:
     groups = distributed.balance([k.rollouts.group(k.index, c) if k.rollouts is not None else None
                                   for k, c in zip(kept, chosen)])
     mine = [j for j, x in enumerate(groups) if x is not None]
-    lengths = [k.lengths[c] for k, c in zip(kept, chosen)]
+    lengths = [k.lengths[c] for k, c in zip(kept, chosen)]  # G tensors (m_j,)
     batch = dict(pack_groups([groups[j] for j in mine], dev), lengths=lengths)
     each = adv.split([len(c) for c in chosen])  # G tensors (m_j,)
     return batch, torch.cat([each[j] for j in mine] or [torch.zeros(0)]).to(dev)

@@ -235,6 +235,10 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = field_help(config_cls)
+    # --help lists the recipe (the Config's own fields) first, then the run's options.
+    own = vars(config_cls).get("__annotations__", {})
+    groups = {True: parser.add_argument_group("the recipe (brorl.py's Config)"),
+              False: parser.add_argument_group("the run's plumbing and instruments (RunOptions)")}
     for f in flag_fields(config_cls):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
@@ -246,8 +250,9 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
                  else f" (default: {'none' if f.default == '' else f.default})")
         # A bool flag given alone (--flag) means true.
         kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)
-        parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
-                            metavar=f.type.__name__.upper())
+        groups[f.name in own].add_argument(f"--{f.name}", **kind, default=None,
+                                           help=text.replace("%", "%%"),
+                                           metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")

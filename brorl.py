@@ -9,24 +9,21 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  Math-Verify (--verifier).
   3. dynamic     drop the groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or until a cap on rounds (then fewer; with none,
-                 no update). --alloc adaptive instead draws B prompts once and splits R rollouts
-                 among them by each one's estimated Q (lib/allocation.py).
+                 no update). --alloc adaptive samples its own way (lib/allocation.py).
   4. advantages  REINFORCE++-baseline: r - mean_group(r), whitened over the batch's valid response
-                 tokens (as verl); or over responses, or GRPO's / std_group, or nothing more
-                 (Dr. GRPO).
+                 tokens (as verl); or over responses, or GRPO's / std_group, or none (Dr. GRPO).
   5. update      PPO-clip with decoupled bounds (clip-higher, 0.2 / 0.28) and dual-clip (c = 3),
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping (or the
-                 alternatives of lib/objectives.py). Every log-prob comes from kernels.py: the
-                 update's by kernels.linear_logprobs (from hidden states, the logits never whole;
-                 a head that is not a plain linear layer: kernels.token_logprobs on its logits),
-                 the sampler's by kernels.token_logprobs on each decoded position's logits.
+                 alternatives of lib/objectives.py). Its forward, lib/policy.response_logprobs,
+                 runs each prompt once, its N rows attending to its keys and values. Log-probs:
+                 kernels.linear_logprobs from hidden states, the logits never whole (another head:
+                 kernels.token_logprobs on its logits); the sampler's kernels.token_logprobs.
   6. eval/log    held-out pass@1 (temperature 0.6, top_p 0.95, and greedy) and unbiased pass@k;
                  the correct mass Q(x) (Theorem 1's Q_pos, per prompt: docs/paper.md §3), sampled
                  on a probe set and exact where the answer is one token sequence
-                 (lib/diagnostics.py); one log line per step, metrics.jsonl and metrics.png; a
-                 checkpoint at every eval.
+                 (lib/diagnostics.py); a log line a step, metrics.jsonl, metrics.png; checkpoints.
 
 Where this simplifies the paper:
   1. One engine: the trainer samples its own rollouts (no vLLM server), in memory-bounded chunks.
@@ -34,21 +31,17 @@ Where this simplifies the paper:
      checks it); in bf16 the old log-probs are a trainer forward's, and the drift is logged and
      corrected by TIS (--tis_cap).
   2. The default is a toy: a 0.62M-parameter character-level model warm-started on right and
-     wrong addition procedures (data.py); RL selects the right one, as RLVR selects among a
-     model's behaviours.
+     wrong addition procedures (data.py); RL selects the right one, as RLVR a model's behaviour.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
-Run:
-  python brorl.py                             # the embedded tiny model and task: CPU, minutes
-  python brorl.py --preset gsm8k-0.5b         # a real one-GPU job (also math-1.5b; --plan: memory)
-  python brorl.py --resume runs/<run> --steps 200   # continue (or extend) a run from its checkpoint
-  torchrun --standalone --nproc_per_node=K brorl.py [flags]   # the same run on K processes
-  python brorl.py --help                      # every flag
+Run: `python brorl.py` (the embedded tiny model, on a CPU, in minutes); `--preset gsm8k-0.5b` a
+real one-GPU job; `--resume runs/<run>` continues a run; `torchrun ... brorl.py` runs it on K
+processes; `--help` lists every flag (docs/running.md: all of it).
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
-embedded model); lib/ what a reader may skip (flags, run harness, model plumbing, planner,
-processes, the eval's diagnostics); tools/ the programs run beside training. The paper, restated:
-docs/paper.md. Every figure: docs/results/.
+embedded model); lib/ what a reader may skip but lib/policy.response_logprobs (flags, run harness,
+model plumbing, planner, processes, the eval's diagnostics); tools/ the programs run beside
+training. The paper, restated: docs/paper.md. Every figure: docs/results/.
 """
 
 import math
@@ -60,8 +53,8 @@ import torch
 
 import data
 import verify
-from lib import (allocation, balance, config, diagnostics, distributed, evalonly, harness, samples,
-                 setup, steplog)
+from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
+                 steplog)
 from lib.config import fail
 from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
                             max_variance_subset)
@@ -70,168 +63,72 @@ from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, 
 from sampler import Rollouts, draw_seeds, generate, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the one typed source of truth. Every field is a --flag, and its comment is its --help.
+# Config: the recipe (it extends lib/config.RunOptions); each field a --flag, its comment its help.
 
 
 @dataclass
-class Config:
+class Config(config.RunOptions):
     # The model and the task.
-    model: str = str(data.EMBEDDED_MODEL)  # HF hub id (id@revision: a branch, tag or commit) or
-                                           # local dir (default: the embedded tiny model)
-    task: str = "arith"  # arith or keys (embedded: data.py), or gsm8k:/math: + a
-                         # .jsonl/.json/.parquet path or hub id[:config][@split]
-    eval_task: str = ""  # a separate held-out source, same syntax, all its rows
-                         # (default: --task's held-out split)
-    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set
-                                # (else refused: not held out)
-    system_prompt: str = ""  # system message before each prompt,
-                             # which needs a chat template (default: none)
-    digits: int = 3  # arith: digits per operand (the difficulty knob)
-    dtype: str = "auto"  # compute dtype (autocast); weights and AdamW stay fp32.
-                         # auto: fp32 CPU, bf16 CUDA
-    device: str = "auto"  # auto = cuda if available else cpu
-    seed: int = 0  # seeds prompts, sampling and init of everything random
+    model: str = str(data.EMBEDDED_MODEL)  # the policy model: HF hub id (id@revision: a branch,
+        # tag or commit) or local dir (default: the embedded tiny model)
+    task: str = "arith"  # training task: arith, keys or sets (embedded: data.py), or gsm8k:/math:
+        # + a .jsonl/.json/.parquet path or hub id[:config][@split]
+    digits: int = 3  # arith's digits per operand (the difficulty knob)
+    seed: int = 0  # random seed of the prompts' draw, the sampling and every init
+    dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: fp32 CPU, bf16 CUDA
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
-    max_new_tokens: int = 6  # response length cap; a truncated response gets reward 0
+    max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
-    top_p: float = 1.0  # rollout nucleus; must be 1.0 to train: the loss's log-probs are
-                        # the full tempered softmax's
-    max_rows: int = 4096  # most rollouts decoded at once; the planner lowers it to fit --memory_gb
-    long_prompts: str = "refuse"  # prompt + new tokens past the context: refuse, drop or allow
+    top_p: float = 1.0  # rollouts' top-p nucleus; 1.0 to train (the loss's is the full softmax)
     # Dynamic sampling, as DAPO's.
-    dynamic_sampling: bool = True  # drop groups whose rewards are all equal (zero advantage)
-    max_rounds: int = 8  # rounds a step at most (then < B groups); each draws distinct prompts anew
-    train_prompts: int = 0  # keys, sets (train = eval): train on the eval set's first n prompts
-                            # alone (with B = n, each of them every step); 0: all
-    # Breadth in sampling but not in the update (PODS, arXiv 2504.13818): the update trains on the
-    # m rollouts of a group whose rewards vary most.
-    train_rollouts: int = 0  # m: rollouts per group the update trains on (2 <= m <= N); 0: all N
-    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
-    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
-    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
-    alloc: str = "uniform"  # uniform (N a prompt) or adaptive
-                            # (R a step by each prompt's Q; PODS: min(m, n))
-    rollout_budget: int = 0  # R: adaptive's rollouts a step, spent exactly (0: B x N)
-    min_rollouts: int = 4  # adaptive: every candidate's floor (>= 2): no prompt is dropped for good
-    max_rollouts: int = 512  # adaptive: the most rollouts one prompt gets a step
-    alloc_decay: float = 0.95  # adaptive: the estimate's counts x this a step (the policy moves)
-    # Advantages are r - mean_group(r), then whitened (compute_advantages): over the batch's
-    # response tokens with batch (verl's REINFORCE++-baseline, which ProRL v2 and BroRL run), over
-    # its responses with response, or by each group's std with group (GRPO's).
-    adv_norm: str = "batch"  # batch, response, group or none (r - mean_group only, no division)
-    focal_gamma: float = 0.0  # F-GRPO's focal weight (arXiv 2602.06717): each group's advantages
-                              # x (1 - mu)^gamma, mu its success rate; 0: off
+    dynamic_sampling: bool = True  # dynamic sampling: drop groups whose rewards are all equal
+    max_rounds: int = 8  # dynamic sampling's most rounds a step, each of new prompts (then < B)
+    # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
+    # trains on the m rollouts of a group whose rewards vary most.
+    adv_norm: str = "batch"  # advantage normalisation after r - mean_group: batch, response,
+                             # group or none
+    focal_gamma: float = 0.0  # F-GRPO's focal weight: advantages x (1 - success rate)^gamma; 0: off
+    train_rollouts: int = 0  # m: rollouts per group the update trains on (PODS); 0: all N
     # The policy update.
-    lr: float = 2e-4  # AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
+    lr: float = 2e-4  # learning rate of AdamW, constant (paper: ProRL v2's 1e-6 x sqrt(64k/8k)
                       # for a 1.5B model; 5e-4 here overshoots)
-    weight_decay: float = 0.0  # AdamW weight decay (unstated in the paper)
-    n_minibatches: int = 2  # optimizer updates per step; BroRL keeps this fixed as N grows
-    micro_batch: int = 512  # rows per forward/backward: memory, never the gradient;
-                            # lowered to fit --memory_gb
-    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
-    # shares the base model.
-    lora_rank: int = 0  # r: train a rank-r LoRA adapter on the frozen model; 0: full fine-tuning
-    lora_alpha: float = 0.0  # LoRA's scale is alpha / r; 0: alpha = 2r
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Qwen/Llama
-        # attention and MLP
-    grad_ckpt: bool = False  # recompute each decoder layer in the backward: activations of one
-                             # layer, not all (~1/3 more compute)
-    # The old policy's log-probs are the sampler's (in fp32, a trainer forward's up to rounding) or
-    # a trainer forward's.
-    old_logp: str = "auto"  # sampler, recompute, or auto: sampler in float32, recompute otherwise
-    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant;
-    # the README gives each one's command.
-    loss: str = "ppo"  # ppo, gspo or cispo (policy_token_loss)
-    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (GSPO paper,
-                                 # arXiv 2507.18071: 3e-4)
-    gspo_clip_high: float = 4e-4  # GSPO's eps_high (the paper: 4e-4)
-    clip_low: float = 0.2  # PPO eps_low
-    clip_high: float = 0.28  # PPO eps_high (clip-higher, DAPO; ProRL v1 used 0.4);
-                             # CISPO's eps_high on its weight
-    clip_ratio_c: float = 3.0  # dual-clip (verl; ppo only): a negative-advantage token's loss
-                               # is at most -c*A; need c > 1
-    # Truncated importance sampling corrects for the sampler's numerics differing from the
-    # trainer's (its weight is 1 with --old_logp sampler).
-    tis_cap: float = 2.0  # C: policy loss x min(exp(logp_old - logp_sampler), C)
-                          # (C = 2 as verl's examples); 0: off
-    # The loss's aggregation. token: the mean over the mini-batch's tokens (DAPO); sequence: each
-    # row's mean, then the mean over rows (GSPO's); constant: the sum / (max_new_tokens x the
-    # mini-batch's rows), a normaliser no response changes (Dr. GRPO).
-    loss_agg: str = "auto"  # token, sequence or constant; auto: sequence with --loss gspo
-                            # (its paper's), else token
-    kl_coef: float = 0.0  # k2 KL to a reference; 0 disables it (ProRL v2 configs: 1e-4)
-    ref_reset_every: int = 100  # steps between reference resets to the current policy
-    grad_clip: float = 1.0  # max global grad norm
-    # The math verifier: rules (verify.py), math_verify, or both, correct if either accepts
-    # (the paper's).
-    verifier: str = "auto"  # rules, math_verify, both;
-                            # auto: both if math-verify is installed, else rules
-    # The schedule, the evaluation and the output.
-    steps: int = 100  # training steps (the most, with --time_budget)
-    time_budget: float = 0.0  # seconds of training (evaluations excluded);
-                              # stop at the first step past it (0: off)
-    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time:
-                                # others' load cannot inflate it)
+    weight_decay: float = 0.0  # weight decay of AdamW (unstated in the paper)
+    n_minibatches: int = 2  # mini-batches a step, one AdamW update each (fixed as N grows)
+    grad_clip: float = 1.0  # gradient clipping: max global grad norm
+    old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
+    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
+    loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
+    clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
+    clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher); CISPO's
+    clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
+    gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
+    tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
+    loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
+        # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo, else token
+    kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0: off (ProRL v2: 1e-4)
+    ref_reset_every: int = 100  # steps between resets of the KL's reference to the current policy
+    verifier: str = "auto"  # math verifier: rules, math_verify or both; auto: both if installed
+    # The schedule and the evaluation.
+    steps: int = 100  # training steps to run (the most, with --time_budget)
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
-    eval_seed: int = 0  # draws the held-out problems (eval and probe),
-                        # apart from --seed: every seed scores the same ones
-    eval_samples: int = 32  # samples per eval prompt (pass@1 is their mean,
-                            # pass@k unbiased; paper 16)
-    eval_max_new_tokens: int = 0  # response length cap at eval; 0: --max_new_tokens
+    eval_samples: int = 32  # samples per eval prompt (pass@1 their mean, pass@k unbiased; paper 16)
     probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt, whatever N is:
-                              # Q(x) is measured alike across N
-    mass_prompts: int = 0  # exact correct mass Q (lib/mass.py; arith, keys) at every eval of: 0 the
-                           # eval set; n > 0 n train prompts
-    gate_small_n: int = 16  # exact-Q zones: Q >= 1/this is high;
-                            # 1/gate_large_n <= Q < 1/this is the gate; below, low
-    gate_large_n: int = 512  # (the gate: N = 512 samples the right answer, N = 16 mostly not)
-    # The sets task: every answer's exact probability (lib/answers.py) for the first n eval prompts
-    # at every eval, Figure 3's measures for a transformer (about 0.1 CPU s a prompt on one thread).
-    answer_prompts: int = 0  # n prompts; 0: off
-    # The sets task, one process: each trained group's mass balance and Theorem 1's terms
-    # (lib/balance.py).
-    mass_balance: int = 0  # every this many steps (about 5 CPU s a measured step at B = 8); 0: off
-    sample_prompts: int = 4  # held-out prompts whose responses each eval writes
-                             # to samples.jsonl (lib/samples.py)
-    sample_responses: int = 4  # responses kept per prompt: the eval's first, and with
-                               # --sample_groups the trained ones'
-    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl,
-                            # with their advantages
-    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%,
-                            # on a CPU the machine's RAM
-    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit,
-                        # loading no weights
-    save: bool = True  # checkpoint to <out>/ckpt at every eval:
-                       # the policy (HF format) + what --resume needs
-    out: str = ""  # run directory (default: runs/<task>-<time>)
-    report_to: str = "none"  # also send each row to tensorboard, wandb, or tensorboard,wandb
-                             # (lib/report.py)
-    resume: str = ""  # run directory to continue from its checkpoint: its config.json,
-                      # then the flags given
-    init_from: str = ""  # a run directory (or its ckpt/): start from its policy,
-                         # at step 0, in a new run directory
-    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay are
-                                  # this run's); else a fresh AdamW
-    preset: str = ""  # a named bundle of overrides, applied before the other flags
-    eval_only: bool = False  # evaluate --model on the held-out set,
-                             # write <out>/eval.json, train nothing
-
+    probe_samples: int = 512  # samples per probe prompt whatever N is: Q(x) measured alike
 
 
 def parse_config(argv=None) -> Config:
-    """Config from the command line (lib/config.py): a preset, then the flags given, checked; or a
-    --resume."""
+    """The Config of the command line (lib/config.py): a preset, the flags, checked; or --resume."""
     return config.parse_config(Config, " ".join(__doc__.split("\n\n")[0].split()), argv)
 
 
 # ----------------------------------------------------------------------------
 # Rollouts: sampler.generate makes them (tokens, mask, the sampler's log-probs and entropies,
-# truncation flags and texts; row i belongs to prompt i // N). With K processes each rank samples
-# a share of the prompts, and every rank gets the scores of all.
+# truncation flags, texts; row i is prompt i // N's). Each of K ranks samples a share of the
+# prompts, and every rank gets the scores of all.
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
@@ -327,55 +224,46 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 
 
 # ----------------------------------------------------------------------------
-# Advantages
+# Advantages, over the rows the update trains on: flat, group-major, each with its group's index
 
 
-def compute_advantages(rewards: torch.Tensor, norm: str = "batch", lengths=None,
-                       focal_gamma: float = 0.0) -> torch.Tensor:
-    """rewards (G, N), lengths (G, N) valid tokens per response -> advantages (G, N), one per
-    response. r - mean_group(r), then
+def trained_rows(kept: list, m: int = 0) -> tuple:
+    """The rows trained on, of each kept group the m whose rewards vary most (PODS; m = 0: all):
+    the chosen (G tensors (m_j,), indices among n), each row's group, reward, tokens (R,) each."""
+    chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
+              for k in kept]
+    sizes = torch.tensor([len(c) for c in chosen])  # (G,) rows per group
+    group = torch.arange(len(kept)).repeat_interleave(sizes)  # (R,)
+    rewards = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
+    lengths = torch.cat([k.lengths[c] for k, c in zip(kept, chosen)])  # (R,)
+    return chosen, group, rewards, lengths
+
+
+def compute_advantages(rewards: torch.Tensor, group: torch.Tensor, norm: str = "batch",
+                       lengths=None, focal_gamma: float = 0.0) -> torch.Tensor:
+    """rewards (R,), one per response, group (R,) the index of its prompt's group (groups of equal
+    or unequal N alike), lengths (R,) its valid tokens -> advantages (R,). r - mean_group(r), then
       batch:    whitened over all valid response tokens of the batch (verl's masked whitening, as
                 ProRL v2 and BroRL): each response counts once per token, so with the token-mean
                 loss the advantages sum to 0 over tokens whatever the lengths. Unbiased variance,
-                eps 1e-8 inside the sqrt.
-      response: over responses; group: GRPO's / (std_group + 1e-6); none: nothing more (Dr. GRPO,
-                2503.20783).
+                eps 1e-8 inside the sqrt. response: over responses; group: GRPO's /
+                (std_group + 1e-6); none: nothing more (Dr. GRPO, 2503.20783).
     An all-equal group (only with --dynamic_sampling 0) is centred to 0, then whitened with the
     rest, as verl: -mean/std for all its rows, which keeps the zero token-sum exact (group, none: it
-    stays 0). Groups of unequal N (--alloc adaptive): rewards and lengths as lists of G tensors
-    (n_j,): each group centred on its own mean (group: its own std), the batch's whitening over all
-    valid tokens (or responses) of all groups, each response weighted by its length as before; a
-    list back. focal_gamma > 0: each group's advantages then x (1 - mu)^gamma (F-GRPO's focal
-    weight, lib/objectives.py), mu its success rate."""
+    stays 0). focal_gamma > 0: each group's advantages x (1 - mu)^gamma, mu its success rate."""
     if norm == "batch" and lengths is None:
         raise ValueError("adv_norm batch whitens over tokens: pass the responses' lengths")
-    if focal_gamma:
-        adv = compute_advantages(rewards, norm, lengths)
-        if isinstance(rewards, list):
-            return [a * focal_weight(r[None], focal_gamma)[0] for a, r in zip(adv, rewards)]
-        return adv * focal_weight(rewards, focal_gamma)  # (G, N) x (G, 1)
-    if isinstance(rewards, list):
-        return compute_ragged_advantages(rewards, norm, lengths)
-    centred = rewards - rewards.mean(1, keepdim=True)  # (G, N)
+    each = [rewards[group == j] for j in range(int(group.max()) + 1)]  # G tensors (n_j,)
+    mean = torch.stack([r.mean() for r in each])  # (G,) each group's mean reward
+    centred = rewards - mean[group]  # (R,)
     if norm == "group":
-        return centred / (rewards.std(1, keepdim=True) + 1e-6)
-    if norm == "none":
-        return centred
-    # Whitened over the whole batch: with K processes every rank holds all groups' rewards and
-    # lengths. Each response weighs its valid tokens (batch) or 1 (response). (G, N)
-    return whiten(centred, lengths if norm == "batch" else torch.ones_like(centred))
-
-
-def compute_ragged_advantages(rewards: list, norm: str, lengths: list) -> list:
-    """compute_advantages for G groups of unequal N, each (n_j,): the same arithmetic on the flat
-    (sum n_j,) rollouts, so that equal n_j give the rectangular path's numbers."""
-    if norm == "group":
-        return [(r - r.mean()) / (r.std() + 1e-6) for r in rewards]
-    centred = torch.cat([r - r.mean() for r in rewards])  # (sum n_j,)
-    if norm in ("batch", "response"):
-        centred = whiten(centred, torch.cat(lengths) if norm == "batch"
-                         else torch.ones_like(centred))  # (sum n_j,)
-    return list(centred.split([len(r) for r in rewards]))
+        adv = centred / (torch.stack([r.std() for r in each])[group] + 1e-6)  # (R,)
+    elif norm == "none":
+        adv = centred
+    else:  # Over the whole batch: with K processes every rank holds all rows' rewards and
+        # lengths. Each response weighs its valid tokens (batch) or 1 (response). (R,)
+        adv = whiten(centred, lengths if norm == "batch" else torch.ones_like(centred))
+    return adv * focal_weight(mean, focal_gamma)[group] if focal_gamma else adv  # (R,)
 
 
 def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -393,18 +281,16 @@ def whiten(centred: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------
-# Policy update: the loss per token (r, T) of r response rows, its normaliser, and the loop
-# over mini-batches.
+# Policy update: the loss per token (r, T) of r rows, its normaliser, the mini-batches' loop
 
 
 def loss_weights(mask: torch.Tensor, agg: str, n_tokens=None, n_rows=None, max_len=None,
                  dtype=torch.float32):
     """Per-token weights (r, T) in the loss's dtype, from the mini-batch's counts (n_tokens valid
-    tokens, n_rows rows): each row's weights are its own, so any micro-batching gives the same
-    gradient. token: 1 / n_tokens (DAPO, ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's);
-    constant: 1 / (max_len * n_rows), Dr. GRPO's, so that no response's length scales its own
-    tokens' gradient. Counts default to the rows given (with K processes: the mini-batch's over all
-    ranks)."""
+    tokens, n_rows rows; by default the rows given; with K processes, over all ranks): each row's
+    weights are its own, so any micro-batching gives the same gradient. token: 1 / n_tokens (DAPO,
+    ProRL v2); sequence: 1 / (row length * n_rows) (GSPO's); constant: 1 / (max_len * n_rows), Dr.
+    GRPO's, so that no response's length scales its own tokens' gradient."""
     m = mask.to(dtype)  # (r, T)
     n_tokens = (m.sum() if n_tokens is None
                 else torch.as_tensor(n_tokens, dtype=dtype, device=m.device))
@@ -473,9 +359,9 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
 
 
 def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
-    """n_minibatches optimizer steps over the step's R = G*m rows, each on a mini-batch's summed
-    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] (G, m) all rows'
-    valid tokens; adv (r,): its rows'."""
+    """n_minibatches optimizer steps over the step's R rows, each on a mini-batch's summed
+    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] all rows' valid
+    tokens (G tensors (m_j,)); adv (r,): its rows'."""
     dev = adv.device
     # All ranks' R rows (G*m, or sum m_j), which of them this rank holds, and their valid tokens.
     layout = distributed.RowLayout(batch["lengths"], cfg.micro_batch, dev)
@@ -486,14 +372,11 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # and the reference's log-probs. (r, T) each
     old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
                                            layout.mine(torch.arange(R)), cfg, dev)
-    # The sampler/trainer drift: how far the policy that drew the tokens is from the loss's old
-    # policy. It is 0 by construction with the sampler's log-probs, and then the first
-    # mini-batch's max|ratio-1| measures it instead. (valid tokens,)
+    # The sampler/trainer drift: the loss's old policy against the policy that drew the tokens (0
+    # with the sampler's log-probs: the first mini-batch's max|ratio-1| measures it). (tokens,)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]
-    # Sums over tokens, then two maxima.
-    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(),
-                clip_frac=0.0, kl=0.0,
-                drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
+    sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0,
+                kl=0.0, drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
     grad_norm = 0.0
     # Even mini-batches of a permutation that is the same on every rank: 10 rows in 4 make 3, 3,
     # 2, 2, and fewer rows than mini-batches make one row each.
@@ -535,67 +418,42 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            followed=(), estimate=None) -> dict:
+            sample=None) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
-    replica: the policy's full weights, for the rollouts (the policy itself when K = 1).
-    followed: with --mass_balance, the prompts whose Q is followed when not trained.
-    estimate: --alloc adaptive's per-prompt Q (lib/allocation.py), updated here."""
+    replica: the policy's full weights, for the rollouts (the policy itself when K = 1). sample:
+    the rollout and dynamic sampling phases (default sample_step_groups; train() gives its own)."""
     replica.eval()
     t0 = time.perf_counter()
     # No weight changes while sampling, so the autocast region's cache stays valid.
     with autocast(cfg, replica.device):
-        if estimate is None:
-            kept, stats = sample_step_groups(replica, tok, cfg, train_set, rng, step, keep_est)
-        else:  # --alloc adaptive: one round, its R rollouts split by each prompt's estimated Q.
-            sample = lambda batch, n, seeds: sample_groups(replica, tok, cfg, batch, n, seeds)
-            kept, stats = allocation.sample_allocated_groups(sample, cfg, train_set, rng, step,
-                                                             estimate)
+        kept, stats = (sample or sample_step_groups)(replica, tok, cfg, train_set, rng, step,
+                                                     keep_est)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # Else every group was all right or all wrong: nothing to learn from this step.
-        # --train_rollouts m (PODS): the update trains on m rows of each group and takes the
-        # advantages over those m; m = N is exactly the run without it.
-        trains_on = lambda n: min(cfg.train_rollouts or n, n)  # a group of n rollouts trains on m
-        if len({len(k.rewards) for k in kept}) == 1:  # One N, as always with --alloc uniform.
-            all_rewards = torch.stack([k.rewards for k in kept])  # (G, N), every rank has all
-            chosen = max_variance_subset(all_rewards, trains_on(all_rewards.shape[1]))  # (G, m)
-            rewards = all_rewards.gather(1, chosen)  # (G, m)
-            # Each chosen response's valid tokens. (G, m)
-            lengths = torch.stack([k.lengths for k in kept]).gather(1, chosen)
-        else:
-            # Groups of unequal N (--alloc adaptive): lists of G tensors, (m_j,) each.
-            chosen = [max_variance_subset(k.rewards[None], trains_on(len(k.rewards)))[0]
-                      for k in kept]
-            rewards = [k.rewards[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,)
-            lengths = [k.lengths[i] for k, i in zip(kept, chosen)]  # G tensors (m_j,) valid tokens
-            all_rewards = torch.cat([k.rewards for k in kept])  # (all kept rollouts,)
-        # (G, m), or G tensors (m_j,)
-        adv = compute_advantages(rewards, cfg.adv_norm, lengths, cfg.focal_gamma)
-        # Each kept group moves to the rank that trains it (K = 1: all stay here); this rank's
-        # groups become one batch, which carries every rank's lengths.
-        groups = distributed.balance([k.rollouts.group(k.index, chosen[j])
-                                      if k.rollouts is not None else None
-                                      for j, k in enumerate(kept)])
-        my_groups = [j for j, x in enumerate(groups) if x is not None]
-        batch = dict(pack_groups([groups[j] for j in my_groups], model.device), lengths=lengths)
-        # On --mass_balance's steps, the answer distributions before the update (lib/balance.py).
-        balanced = cfg.mass_balance and step % cfg.mass_balance == 0
-        before = balance.Snapshot(replica, tok, cfg, kept, followed) if balanced else None
+        # The rows trained on (--train_rollouts m, PODS: m of each group; else all), flat. (R,)
+        chosen, group, rewards, lengths = trained_rows(kept, cfg.train_rollouts)
+        adv = compute_advantages(rewards, group, cfg.adv_norm, lengths, cfg.focal_gamma)  # (R,)
+        batch, my_adv = pack_rows(kept, chosen, adv, model.device)
         model.train()
-        # The advantages of this rank's rows. (its rows,)
-        my_adv = torch.cat([adv[j].flatten() for j in my_groups] or [torch.zeros(0)])
-        upd = update_policy(model, ref_model, opt, batch, my_adv.to(model.device), cfg, gen_cpu)
+        upd = update_policy(model, ref_model, opt, batch, my_adv, cfg, gen_cpu)
         distributed.refresh(model, replica)  # The replica follows the update: one gather a step.
-        if balanced:  # And after it: the four parts' mass, Theorem 1's terms, the others' Q.
-            replica.eval()
-            after = balance.Snapshot(replica, tok, cfg, kept, followed)
-            upd.update(balance.records(before, after, kept, chosen))
-        # The rewards of the rows trained on, against all N of the kept groups. (G, m) or (sum m_j,)
-        trained = rewards if torch.is_tensor(rewards) else torch.cat(rewards)
-        upd.update(reward_kept=all_rewards.mean().item(), reward_trained=trained.mean().item())
-        # The trained groups' responses go to samples.jsonl, not to metrics.jsonl.
-        upd["train_responses"] = samples.group_records(kept, chosen, adv, tok, cfg)
+        # The trained rows' reward; the mass balance; samples.jsonl's responses (not metrics').
+        upd.update(diagnostics.step_records(replica, tok, cfg, kept, chosen, adv, stats))
     return steplog.step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
+
+
+def pack_rows(kept: list, chosen: list, adv: torch.Tensor, dev) -> tuple:
+    """The update's batch: each kept group's chosen rollouts moved to the rank that trains it
+    (K = 1: all stay here), this rank's groups packed into one batch (pack_groups) that carries
+    every rank's rows' lengths (G tensors (m_j,)); and this rank's rows' advantages (its rows,)."""
+    groups = distributed.balance([k.rollouts.group(k.index, c) if k.rollouts is not None else None
+                                  for k, c in zip(kept, chosen)])
+    mine = [j for j, x in enumerate(groups) if x is not None]
+    lengths = [k.lengths[c] for k, c in zip(kept, chosen)]  # G tensors (m_j,)
+    batch = dict(pack_groups([groups[j] for j in mine], dev), lengths=lengths)
+    each = adv.split([len(c) for c in chosen])  # G tensors (m_j,)
+    return batch, torch.cat([each[j] for j in mine] or [torch.zeros(0)]).to(dev)
 
 
 # ----------------------------------------------------------------------------
@@ -606,8 +464,7 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
     pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2,
-    4, ... and n itself; the sampled responses' mean length and truncated share; the first few of
-    them (samples.jsonl)."""
+    4, ... and n itself; the responses' mean length, truncated share and first few."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
     # Each prompt's n samples scored. (P, n) each
@@ -622,13 +479,12 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
         m[f"eval_pass@{k}"] = sum(data.pass_at_k(n, int(c), k)
                                   for c in correct.sum(1)) / len(examples)
     m["eval_pass@k"] = m[f"eval_pass@{n}"]  # k = --eval_samples
-    # Each held-out problem's correct samples of n, for paired tests between runs.
-    m["eval_correct"] = [int(c) for c in correct.sum(1)]
-    # The mean response length in tokens, and the share cut at the length cap.
-    m.update(eval_resp_len=lengths.mean().item(), eval_truncated=truncated.mean().item())
-    # The first few responses go to samples.jsonl (harness.Run.log), not to metrics.jsonl.
-    m["eval_responses"] = responses
-    return m
+    # Each held-out problem's correct samples of n (for paired tests between runs); the mean
+    # response length in tokens and the share cut at the length cap; the first few responses
+    # (samples.jsonl's, written by harness.Run.log, not metrics.jsonl's).
+    return {**m, "eval_correct": [int(c) for c in correct.sum(1)], "eval_resp_len":
+            lengths.mean().item(), "eval_truncated": truncated.mean().item(),
+            "eval_responses": responses}
 
 
 # ----------------------------------------------------------------------------
@@ -654,6 +510,9 @@ def train(cfg: Config) -> list:
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
+    # The step's sampling: sample_step_groups, or --alloc adaptive's; --mass_balance watches it.
+    sample = diagnostics.watch_sampling(allocation.sampler(estimate, sample_groups) if estimate
+                                        else sample_step_groups, cfg, diag.exact_set)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the
@@ -672,8 +531,7 @@ def train(cfg: Config) -> list:
         with run.clock:  # Training time: evaluations and checkpoints are excluded.
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg,
-                                             run.train_set, rng, step, gen_cpu, keep_est,
-                                             diag.exact_set, estimate)}
+                                             run.train_set, rng, step, gen_cpu, keep_est, sample)}
             except FloatingPointError as e:
                 # The bad mini-batch was not applied: stop before training on it.
                 fail(f"step {step}: {e}")

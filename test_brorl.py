@@ -1,17 +1,18 @@
 """The algorithm's own tests: one BroRL step, piece by piece, each against a reference (a float64
 brute force, a closed form, an exact expectation).
 
-  advantages        rewards centred per group, then whitened as verl does (over tokens: --adv_norm batch)
-  the loss          PPO's clipped token loss and its dual clip, truncated importance sampling, the k2 KL,
-                    the weights of token and sequence aggregation
+  advantages        rewards centred per group, then whitened as verl does (over tokens:
+                    --adv_norm batch); one path for groups of equal and unequal N
+  the loss          PPO's clipped token loss and its dual clip, truncated importance sampling, the
+                    k2 KL, the weights of token and sequence aggregation
   dynamic sampling  how many groups a step asks for, keeps and drops, and when it gives up
   log-probs         the Triton kernel and its torch reference against float64: values and gradient
   Theorem 1         the mass balance of one update against the exact softmax change; Lemma 2
   end to end        two steps of brorl.py on the embedded model: metrics, plot, checkpoint
 
 Everything runs on a CPU: `python -m pytest -q test_brorl.py`. The other tests (the sampler, the
-update's engineering, the command line, data, the verifier, the kernel's corner cases, the mass-balance
-simulation) are in tests/; some import the fixtures and helpers defined here."""
+update's engineering, the command line, data, the verifier, the kernel's corner cases, the
+mass-balance simulation) are in tests/; some import the fixtures and helpers defined here."""
 
 import json
 import math
@@ -49,9 +50,10 @@ def random_lm(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
     tok = data.build_tokenizer()
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      initializer_range=0.3, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, initializer_range=0.3,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       tie_word_embeddings=False)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # make EOS the argmax wherever digit "1" would win: greedy lengths vary
@@ -70,17 +72,27 @@ PROMPTS = ["123+45=", "9+1=", "77+123+1=", "5"]  # different lengths: exercises 
 # advantages: centred per group, whitened over the batch
 
 
+def advantages(r, norm, lengths=None, focal_gamma=0.0):
+    """brorl.compute_advantages of (G, N) rewards and lengths, back as (G, N): its flat rows are
+    these, group-major."""
+    G, N = r.shape
+    group = torch.arange(G).repeat_interleave(N)  # (G*N,)
+    flat = None if lengths is None else lengths.flatten()
+    return brorl.compute_advantages(r.flatten(), group, norm, flat, focal_gamma).view(G, N)
+
+
 @pytest.mark.parametrize("norm", ["batch", "response", "group"])
 def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
-    """With --dynamic_sampling 0 a group with no signal stays in the batch: centred to 0, then whitened
-    with the rest (verl's REINFORCE++-baseline), so it gets -mean/std, one value for all its rows;
-    under group (GRPO) 0 / (0 + 1e-6) = 0."""
+    """With --dynamic_sampling 0 a group with no signal stays in the batch: centred to 0, then
+    whitened with the rest (verl's REINFORCE++-baseline), so it gets -mean/std, one value for all
+    its rows; under group (GRPO) 0 / (0 + 1e-6) = 0."""
     g = torch.Generator().manual_seed(0)
     r = (torch.rand(6, 16, generator=g) < 0.4).float()
     r[1], r[4] = 1.0, 0.0  # an all-right and an all-wrong group
     # right answers short, wrong ones long: the token mean of the centred values is negative
-    lengths = torch.where(r > 0, torch.randint(5, 20, r.shape, generator=g), torch.randint(30, 50, r.shape, generator=g))
-    adv = brorl.compute_advantages(r, norm, lengths)
+    lengths = torch.where(r > 0, torch.randint(5, 20, r.shape, generator=g),
+                          torch.randint(30, 50, r.shape, generator=g))
+    adv = advantages(r, norm, lengths)
     assert torch.isfinite(adv).all()
     assert (adv[0] != 0).any()
     if norm == "group":
@@ -91,33 +103,37 @@ def test_all_equal_groups_are_whitened_with_the_rest_as_verl(norm):
         mean = (w * x).sum() / w.sum()
         std = (((w * (x - mean) ** 2).sum() / (w.sum() - 1)) + 1e-8).sqrt()  # unbiased, as verl
         for i in (1, 4):
-            torch.testing.assert_close(adv[i], torch.full((16,), (-mean / std).item()), rtol=1e-5, atol=1e-6)
-        if norm == "batch":  # over tokens the centred mean is not 0 (per response it is: adv 0 there)
+            torch.testing.assert_close(adv[i], torch.full((16,), (-mean / std).item()),
+                                       rtol=1e-5, atol=1e-6)
+        # Over tokens the centred mean is not 0 (per response it is: adv 0 there).
+        if norm == "batch":
             assert adv[1, 0] > 0.1
             # the zero token-sum holds with the no-signal groups in it
             assert abs((adv.double() * lengths).sum() / lengths.sum()) < 1e-6
-    only_equal = brorl.compute_advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
+    only_equal = advantages(torch.ones(3, 4), norm, lengths[:3, :4])  # no signal anywhere: no NaN
     assert torch.equal(only_equal, torch.zeros(3, 4))
 
 
 def test_advantage_formulas():
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0]])
     centred = r - r.mean(1, keepdim=True)
-    torch.testing.assert_close(brorl.compute_advantages(r, "response"),
+    torch.testing.assert_close(advantages(r, "response"),
                                (centred - centred.mean()) / (centred.std() + 1e-6))
-    torch.testing.assert_close(brorl.compute_advantages(r, "group"), centred / (r.std(1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(advantages(r, "group"), centred / (r.std(1, keepdim=True) + 1e-6))
 
 
 def masked_whiten_reference(rewards, lengths):
-    """verl's REINFORCE++-baseline, token by token in float64: the group-centred score repeated over each
-    response's valid tokens of a (R, T) grid, then (x - mean) / sqrt(unbiased var + 1e-8) over the mask."""
+    """verl's REINFORCE++-baseline, token by token in float64: the group-centred score repeated over
+    each response's valid tokens of a (R, T) grid, then (x - mean) / sqrt(unbiased var + 1e-8) over
+    the mask."""
     r = rewards.double()
     centred = (r - r.mean(1, keepdim=True)).flatten()  # (R,)
     T = int(lengths.max())
     mask = torch.arange(T)[None] < lengths.flatten()[:, None]  # (R, T)
     x = centred[:, None].expand(-1, T)[mask]  # (valid tokens,)
     mean, var = x.mean(), x.var(unbiased=True)
-    return ((centred - mean) / torch.sqrt(var + 1e-8)).view(rewards.shape)  # (G, N), constant along a response
+    # (G, N), constant along a response
+    return ((centred - mean) / torch.sqrt(var + 1e-8)).view(rewards.shape)
 
 
 def test_batch_norm_whitens_over_tokens_when_lengths_differ():
@@ -126,21 +142,81 @@ def test_batch_norm_whitens_over_tokens_when_lengths_differ():
     r[2] = 1.0  # an all-right group: whitened with the rest, as verl's
     # right answers short (~20 tokens), wrong ones long (~50): the token-weighted mean of the
     # group-centred advantages is negative, so token whitening shifts every advantage up
-    lengths = torch.where(r > 0, torch.randint(10, 30, r.shape, generator=g), torch.randint(40, 60, r.shape, generator=g))
-    adv = brorl.compute_advantages(r, "batch", lengths)
+    lengths = torch.where(r > 0, torch.randint(10, 30, r.shape, generator=g),
+                          torch.randint(40, 60, r.shape, generator=g))
+    adv = advantages(r, "batch", lengths)
     ref = masked_whiten_reference(r, lengths)
     torch.testing.assert_close(adv, ref.float(), rtol=1e-5, atol=1e-6)
     assert (adv[2] > 0).all()  # -mean/std: right answers are short, so the token mean is negative
     # over the valid tokens the advantages have mean 0; the per-response form's do not
     per_token_mean = lambda a: (a.double() * lengths).sum() / lengths.sum()
-    per_response = brorl.compute_advantages(r, "response", lengths)
+    per_response = advantages(r, "response", lengths)
     assert abs(per_token_mean(adv)) < 0.05 < abs(per_token_mean(per_response))
     assert (adv - per_response).abs().max() > 0.1  # the two forms differ by more than rounding
 
 
 def test_batch_norm_needs_lengths():
     with pytest.raises(ValueError, match="lengths"):
-        brorl.compute_advantages(torch.tensor([[1.0, 0.0]]), "batch")
+        advantages(torch.tensor([[1.0, 0.0]]), "batch")
+
+
+def rectangular_reference(r, norm, lengths, gamma):
+    """The advantages of (G, N) rewards by (G, N) arithmetic: each row's mean and std along it,
+    the whitening (brorl.whiten) over all entries, the focal weight of each row's mean."""
+    mean = r.mean(1, keepdim=True)  # (G, 1)
+    adv = {"group": lambda c: c / (r.std(1, keepdim=True) + 1e-6), "none": lambda c: c,
+           "batch": lambda c: brorl.whiten(c, lengths),
+           "response": lambda c: brorl.whiten(c, torch.ones_like(c))}[norm](r - mean)
+    return adv * (1 - mean).clamp(min=0) ** gamma if gamma else adv
+
+
+def ragged_reference(rs, norm, lengths, gamma):
+    """The advantages of G groups of unequal N, each (n_j,), group by group: each centred on its
+    own mean (group: by its own std), the whitening over all groups' entries, the focal weight of
+    each group's mean."""
+    if norm == "group":
+        adv = [(r - r.mean()) / (r.std() + 1e-6) for r in rs]
+    else:
+        centred = torch.cat([r - r.mean() for r in rs])
+        weights = torch.cat(lengths) if norm == "batch" else torch.ones_like(centred)
+        adv = centred.split([len(r) for r in rs]) if norm == "none" else \
+            brorl.whiten(centred, weights).split([len(r) for r in rs])
+    return torch.cat([a * (1 - r.mean()).clamp(min=0) ** gamma if gamma else a
+                      for a, r in zip(adv, rs)])
+
+
+@pytest.mark.parametrize("gamma", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("norm", ["batch", "response", "group", "none"])
+@pytest.mark.parametrize("binary", [True, False])
+def test_flat_advantages_are_each_groups_arithmetic_to_the_bit(norm, gamma, binary):
+    """One path over flat rows with a group index: groups of equal N give the (G, N) arithmetic's
+    numbers and groups of unequal N the group-by-group ones, to the bit (binary rewards, as the
+    verifier's, and real ones), with and without the focal weight."""
+    g = torch.Generator().manual_seed(1 + binary)
+    draw = lambda *shape: (torch.randint(0, 2, shape, generator=g).float() if binary
+                           else torch.rand(*shape, generator=g))
+    r, lengths = draw(5, 8), torch.randint(1, 9, (5, 8), generator=g).double()  # (G, N) each
+    assert torch.equal(advantages(r, norm, lengths, gamma),
+                       rectangular_reference(r, norm, lengths, gamma))
+    sizes = [2, 7, 3, 16, 5]
+    rs = [draw(n) for n in sizes]
+    ls = [torch.randint(1, 9, (n,), generator=g).double() for n in sizes]
+    group = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (R,)
+    flat = brorl.compute_advantages(torch.cat(rs), group, norm, torch.cat(ls), gamma)
+    assert torch.equal(flat, ragged_reference(rs, norm, ls, gamma))
+
+
+def test_focal_weight_damps_the_groups_mostly_right():
+    """F-GRPO's focal weight: each group's advantages x (1 - mu)^gamma, mu its success rate, so a
+    group right 7 times of 8 keeps (1/8)^gamma of them and one right once 7/8^gamma; gamma 0 is the
+    unweighted advantages."""
+    r = torch.tensor([[1.0, 1, 1, 1, 1, 1, 1, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+    lengths = torch.full((2, 8), 3.0)
+    plain = advantages(r, "batch", lengths)
+    for gamma in (1.0, 2.0):
+        weight = torch.tensor([[1 / 8], [7 / 8]]) ** gamma  # (G, 1)
+        torch.testing.assert_close(advantages(r, "batch", lengths, gamma), plain * weight)
+    assert torch.equal(advantages(r, "batch", lengths, 0.0), plain)
 
 
 # ----------------------------------------------------------------------------
@@ -155,10 +231,12 @@ def test_ppo_clip_zeroes_gradient_outside_the_trust_region():
     loss, ratio = brorl.ppo_token_loss(logp, old, adv, 0.2, 0.28)
     loss.sum().backward()
     assert logp.grad[0] == 0 and logp.grad[1] == 0  # clipped: no gradient
-    torch.testing.assert_close(logp.grad[2:, 0], -adv[2:] * ratio[2:, 0].detach())  # d(-r A)/dlogp = -r A
+    # d(-r A)/dlogp = -r A
+    torch.testing.assert_close(logp.grad[2:, 0], -adv[2:] * ratio[2:, 0].detach())
     # on the other side of the bound the clip must NOT bind: positive adv, ratio below 1-eps
     logp2 = torch.log(torch.tensor([[0.5]])).requires_grad_()
-    brorl.ppo_token_loss(logp2, torch.zeros(1, 1), torch.tensor([1.0]), 0.2, 0.28)[0].sum().backward()
+    loss2 = brorl.ppo_token_loss(logp2, torch.zeros(1, 1), torch.tensor([1.0]), 0.2, 0.28)[0]
+    loss2.sum().backward()
     assert logp2.grad.item() == pytest.approx(-0.5)
 
 
@@ -169,7 +247,7 @@ def test_dual_clip_and_clamp_bound_a_huge_ratio():
     adv = torch.tensor([-1.5, 1.5, -1.0, -1.0])
     loss, ratio = brorl.ppo_token_loss(logp, old, adv, 0.2, 0.28)  # c = 3, the default
     loss.sum().backward()
-    assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all() and torch.isfinite(ratio).all()
+    assert all(torch.isfinite(x).all() for x in (loss, logp.grad, ratio))
     # negative advantage: capped at -c*A (no gradient); positive: clipped at (1+eps_high)*A
     torch.testing.assert_close(loss[:, 0], torch.tensor([3 * 1.5, -1.28 * 1.5, 3.0, 2.0]))
     assert logp.grad[0] == 0 and logp.grad[1] == 0 and logp.grad[2] == 0
@@ -182,22 +260,26 @@ def test_tis_corrects_a_planted_sampler_mismatch():
     The expectation is exact: every token is a row, weighted by its probability under q."""
     g = torch.Generator().manual_seed(2)
     V = 7
-    theta = torch.randn(V, dtype=torch.float64, generator=g).requires_grad_()  # the trainer's logits
+    # the trainer's logits
+    theta = torch.randn(V, dtype=torch.float64, generator=g).requires_grad_()
     A = torch.randn(V, dtype=torch.float64, generator=g)  # (V,) each token's advantage
-    logq = F.log_softmax(theta.detach() + torch.randn(V, dtype=torch.float64, generator=g), -1)  # planted
+    # the sampler's, a planted mismatch
+    logq = F.log_softmax(theta.detach() + torch.randn(V, dtype=torch.float64, generator=g), -1)
     exact = torch.autograd.grad(-(F.softmax(theta, -1) * A).sum(), theta)[0]
 
     def expected_grad(cap):
         logp = F.log_softmax(theta, -1)[:, None]  # (V, 1): one row per token
-        loss, _ = brorl.ppo_token_loss(logp, logp.detach(), A, 0.2, 0.28)  # ratio 1: the clip is inactive
+        # ratio 1: the clip is inactive
+        loss, _ = brorl.ppo_token_loss(logp, logp.detach(), A, 0.2, 0.28)
         w = brorl.tis_weight(logp.detach(), logq[:, None], cap)  # (V, 1)
         return torch.autograd.grad((logq.exp() * (loss * w)[:, 0]).sum(), theta)[0]
 
-    assert (F.log_softmax(theta.detach(), -1) - logq).exp().max() < 100  # so a cap of 100 never binds
+    # so a cap of 100 never binds
+    assert (F.log_softmax(theta.detach(), -1) - logq).exp().max() < 100
     torch.testing.assert_close(expected_grad(cap=100.0), exact)
     assert (expected_grad(cap=0) - exact).norm() > 0.2 * exact.norm()  # TIS off: biased
-    torch.testing.assert_close(brorl.tis_weight(torch.zeros(3), torch.tensor([-5.0, 0.0, 5.0]), 2.0),
-                               torch.tensor([2.0, 1.0, math.exp(-5)]))  # truncated at C
+    weight = brorl.tis_weight(torch.zeros(3), torch.tensor([-5.0, 0.0, 5.0]), 2.0)
+    torch.testing.assert_close(weight, torch.tensor([2.0, 1.0, math.exp(-5)]))  # truncated at C
 
 
 def test_k2_kl_matches_formula_and_clamps():
@@ -210,8 +292,10 @@ def test_loss_weights_sum_to_one_and_ignore_padding(agg):
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
     w = brorl.loss_weights(mask, agg)
     assert w.sum().item() == pytest.approx(1.0) and (w[~mask] == 0).all()
-    w64 = brorl.loss_weights(mask, agg, dtype=torch.float64)  # in the loss's dtype: float64 checks stay float64's
-    assert w64.dtype == torch.float64 and abs(w64.sum().item() - 1) < 1e-15 and torch.equal(w64.float(), w)
+    # in the loss's dtype: float64 checks stay float64's
+    w64 = brorl.loss_weights(mask, agg, dtype=torch.float64)
+    assert w64.dtype == torch.float64 and abs(w64.sum().item() - 1) < 1e-15
+    assert torch.equal(w64.float(), w)
     if agg == "token":
         assert torch.allclose(w[mask], torch.full_like(w[mask], 1 / 6))
     else:
@@ -225,12 +309,14 @@ def test_loss_weights_sum_to_one_and_ignore_padding(agg):
 def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     model, tok = random_lm
     calls = iter([torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]),  # round 1: 1 of 3 informative
-                  torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])])
+                  torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0],
+                                [0.0, 0.0]])])
     monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: next(calls))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=3, max_new_tokens=2, max_rounds=5)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     rng = random.Random(0)
-    want = iter([3, 6])  # prompts asked for: ceil(3 / 1.0) = 3, then at this step's rate ceil(2 / (1/3)) = 6
+    # prompts asked for: ceil(3 / 1.0) = 3, then at this step's rate ceil(2 / (1/3)) = 6
+    want = iter([3, 6])
     orig = brorl.generate
     def spy(model, tok, prompts, *a, **k):
         assert len(prompts) == next(want)
@@ -243,12 +329,18 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     assert all(g.rewards.min() != g.rewards.max() and g.rollouts is not None for g in kept)
 
 
+def all_wrong(ro, answers, *a):
+    """A scorer that marks every rollout wrong. (prompts, n)"""
+    return torch.zeros(len(ro.prompt_ids), ro.n)
+
+
 def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
     model, tok = random_lm
-    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
+    monkeypatch.setattr(brorl, "score", all_wrong)
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=2, max_new_tokens=2, max_rounds=3)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
-    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0), 1, keep_est=0.5)
+    kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0), 1,
+                                           keep_est=0.5)
     assert kept == [] and stats["rounds"] == 3 and stats["groups_kept"] == 0
 
 
@@ -258,14 +350,16 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
     def fake_generate(model, tok, prompts, n, *args):
         asked.append(len(prompts))
         R = len(prompts) * n
-        return types.SimpleNamespace(prompt_ids=[[1]] * len(prompts), n=n, mask=torch.ones(R, 2, dtype=torch.bool),
+        return types.SimpleNamespace(prompt_ids=[[1]] * len(prompts), n=n,
+                                     mask=torch.ones(R, 2, dtype=torch.bool),
                                      truncated=torch.zeros(R, dtype=torch.bool))
 
     monkeypatch.setattr(brorl, "generate", fake_generate)
-    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: torch.zeros(len(ro.prompt_ids), ro.n))
+    monkeypatch.setattr(brorl, "score", all_wrong)
     cfg = brorl.Config(n_rollouts=4, prompts_per_step=3, dynamic_sampling=False)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
-    kept, stats = brorl.sample_step_groups(None, None, cfg, train, random.Random(0), None, keep_est=0.5)
+    kept, stats = brorl.sample_step_groups(None, None, cfg, train, random.Random(0), None,
+                                           keep_est=0.5)
     assert asked == [3] and len(kept) == 3 and stats["groups_generated"] == 3
 
 
@@ -276,7 +370,8 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
 FP32_TOL = 1e-5  # fp32 accumulation over <= 50k columns: observed errors are ~2e-6
 # where the kernel tests run: on a GPU the compiled kernel, on a CPU the interpreter
 KDEV = "cuda" if torch.cuda.is_available() else "cpu"
-# where the interpreter cannot run (triton 3.6 with numpy >= 2.4) the kernel tests skip with its one-line reason
+# where the interpreter cannot run (triton 3.6 with numpy >= 2.4) the kernel tests skip with its
+# one-line reason
 NO_KERNEL = "" if KDEV == "cuda" else kernels.interpreter_problem()
 needs_kernel = pytest.mark.skipif(bool(NO_KERNEL), reason=NO_KERNEL)
 
@@ -436,8 +531,8 @@ def run_cli(*args, cwd=HERE):
                           capture_output=True, text=True, timeout=600)
 
 
-SMALL = ["--n_rollouts", "32", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
-         "--probe_prompts", "2", "--max_rows", "256"]
+SMALL = ["--n_rollouts", "32", "--prompts_per_step", "2", "--eval_prompts", "4",
+         "--eval_samples", "4", "--probe_prompts", "2", "--max_rows", "256"]
 
 
 def run_in_process(capsys, *args):
@@ -454,11 +549,13 @@ def test_two_step_run_writes_metrics_plot_and_checkpoint(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    need = {"step", "reward_mean", "keep_rate", "zero_adv_frac", "pass@1", "pass@N", "kl", "clip_frac",
-            "entropy", "resp_len", "tokens_per_s", "time_rollout", "time_update", "eval_pass@1", "eval_pass@k",
-            "mass_mean", "mass_rose", "mass_fell", "mass_worst_drop", "max_ratio_dev"}
+    need = {"step", "reward_mean", "keep_rate", "zero_adv_frac", "pass@1", "pass@N", "kl",
+            "clip_frac", "entropy", "resp_len", "tokens_per_s", "time_rollout", "time_update",
+            "eval_pass@1", "eval_pass@k", "mass_mean", "mass_rose", "mass_fell", "mass_worst_drop",
+            "max_ratio_dev"}
     assert need <= set(rows[2]), need - set(rows[2])
-    # float32 rounding between the decode and the training forward: ~1e-6, the largest seen 1.3e-5 (logp -2.9)
+    # float32 rounding between the decode and the training forward: ~1e-6, the largest seen 1.3e-5
+    # (logp -2.9)
     assert all(r["max_ratio_dev"] < 3e-5 for r in rows[1:] if r["groups_kept"])
     saved = json.loads((out / "config.json").read_text())
     assert saved["n_rollouts"] == 32 and saved["steps"] == 2

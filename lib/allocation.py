@@ -155,3 +155,13 @@ def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimat
                  if cfg.dynamic_sampling else 0)
     steplog.note_sampled_right(stats, cfg.task, groups)  # (keys, sets: the prompts right)
     return kept, stats
+
+
+def sampler(estimate: Estimate, sample_groups):
+    """--alloc adaptive's sampling phase in brorl.sample_step_groups' signature, for brorl.rl_step:
+    sample_allocated_groups with `estimate`, its groups sampled by sample_groups
+    (brorl.sample_groups: lib/ never imports brorl)."""
+    def sample_step(model, tok, cfg, train_set, rng, step, keep_est):
+        sample = lambda batch, n, seeds: sample_groups(model, tok, cfg, batch, n, seeds)
+        return sample_allocated_groups(sample, cfg, train_set, rng, step, estimate)
+    return sample_step

@@ -81,6 +81,7 @@ class Snapshot:
         trained = [k.example for k in kept]
         trained_prompts = {x["prompt"] for x in trained}
         others = [x for x in followed if x["prompt"] not in trained_prompts]
+        self.followed = followed  # (the snapshot after the update follows the same prompts)
         self.space = answers.space(cfg.task)
         self.logp = answers.distribution(model, tok, trained, self.space, cfg.temperature,
                                          cfg.system_prompt)  # (G, A)

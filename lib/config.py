@@ -1,6 +1,7 @@
 """
-config.py: the command line. Every field of brorl.py's Config is a --flag (its source comment the
---help); presets are named bundles of overrides applied before the flags given; --resume starts from
+config.py: the command line. brorl.py's Config is the recipe; it extends RunOptions below (the run's
+plumbing and the research instruments), and every field of both is a --flag, its source comment the
+--help; presets are named bundles of overrides applied before the flags given; --resume starts from
 a run's own config.json; check_config names the first thing wrong with a config in one line; fail()
 stops with such a line. It imports nothing of ours but the embedded models' paths (data.py), the
 verifiers' names (verify.py), the process count (distributed.py) and --loss_agg auto's meaning
@@ -15,6 +16,7 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,16 +36,126 @@ def fail(msg: str):
 
 
 # ----------------------------------------------------------------------------
-# The command line: every field of the Config dataclass is a --flag, its source comment the --help
+# The flags beside the recipe. Each field's comment is its --help, whole on its own: what the flag
+# is, then its values.
+
+
+@dataclass
+class RunOptions:
+    """The run's plumbing and the research instruments, which brorl.py's Config (the recipe)
+    extends: one typed source, every field a --flag, saved whole in config.json. Where the data
+    and the run directory come from, memory and time, and what a run measures beyond the step's
+    metrics; and two alternatives that replace a part of the step: --alloc adaptive its sampling
+    (lib/allocation.py), LoRA the weights it trains (lib/policy.py)."""
+    # The data beyond --task.
+    eval_task: str = ""  # held-out set from a separate source, --task's syntax, all its rows
+                         # (default: --task's held-out split)
+    eval_overlap: bool = False  # allow an --eval_task sharing prompts with the training set
+                                # (else refused: not held out)
+    eval_seed: int = 0  # seed of the held-out draw (eval and probe problems), apart from --seed:
+                        # every seed scores the same ones
+    eval_max_new_tokens: int = 0  # response length cap in tokens at eval; 0: --max_new_tokens
+    train_prompts: int = 0  # training prompts of keys and sets (train = eval): the eval set's
+                            # first n alone (with B = n, each of them every step); 0: all
+    system_prompt: str = ""  # system message before each prompt, which needs a chat template
+                             # (default: none)
+    long_prompts: str = "refuse"  # what to do with a prompt whose prompt + new tokens pass the
+                                  # model's context: refuse, drop or allow
+    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
+    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
+    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
+    alloc: str = "uniform"  # rollout allocation: uniform (N a prompt) or adaptive (a step's R
+        # split by each prompt's estimated Q; with PODS, min(m, n) trained)
+    rollout_budget: int = 0  # R: --alloc adaptive's rollouts a step, spent exactly (0: B x N)
+    min_rollouts: int = 4  # --alloc adaptive's floor of rollouts per candidate prompt (>= 2):
+                           # no prompt is dropped for good
+    max_rollouts: int = 512  # --alloc adaptive's most rollouts one prompt gets a step
+    alloc_decay: float = 0.95  # --alloc adaptive's forgetting: its estimate's counts x this a
+                               # step (the policy moves)
+    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
+    # shares the base model.
+    lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
+                        # 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
+        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP)
+    # Where it runs, memory and time.
+    device: str = "auto"  # device to run on: auto (cuda if available, else cpu), cpu, cuda or
+                          # cuda:<index>
+    max_rows: int = 4096  # most rows (rollouts) decoded at once; the planner lowers it to fit
+                          # --memory_gb
+    micro_batch: int = 512  # micro-batch size: rows per forward/backward of the update (memory,
+                            # never the gradient); lowered to fit --memory_gb
+    grad_ckpt: bool = False  # gradient checkpointing: recompute each decoder layer in the
+                             # backward, activations of one layer, not all (~1/3 more compute)
+    memory_gb: float = 0.0  # memory the planner fits into; 0: the CUDA device's less 10%,
+                            # on a CPU the machine's RAM
+    plan: bool = False  # print the memory plan (lib/planner.py) for these flags and exit,
+                        # loading no weights
+    time_budget: float = 0.0  # time budget: seconds of training (evaluations excluded);
+                              # stop at the first step past it (0: off)
+    budget_clock: str = "wall"  # --time_budget's clock: wall, or cpu (this process's CPU time:
+                                # others' load cannot inflate it)
+    # What each evaluation measures beyond pass@k and the probe (lib/diagnostics.py).
+    mass_prompts: int = 0  # prompts whose exact correct mass Q (lib/mass.py; arith, keys, sets)
+                           # is computed at every eval: 0 the eval set; n > 0 n train prompts
+    gate_small_n: int = 16  # the exact-Q zones' small N: Q >= 1/this is high,
+                            # 1/gate_large_n <= Q < 1/this the gate, below it low
+    gate_large_n: int = 512  # the exact-Q zones' large N: the gate is where N = 512 samples the
+                             # right answer and N = 16 mostly does not
+    answer_prompts: int = 0  # answer distributions (sets task): every answer's exact probability
+        # for the first n eval prompts at every eval (lib/answers.py), Figure 3's measures for a
+        # transformer (about 0.1 CPU s a prompt on one thread); 0: off
+    mass_balance: int = 0  # mass balance (sets task, one process): every this many steps, each
+        # trained group's answer mass before and after the update and Theorem 1's terms
+        # (lib/balance.py; about 5 CPU s a measured step at B = 8); 0: off
+    sample_prompts: int = 4  # held-out prompts whose responses each eval writes
+                             # to samples.jsonl (lib/samples.py)
+    sample_responses: int = 4  # responses kept per prompt in samples.jsonl: the eval's first,
+                               # and with --sample_groups the trained ones'
+    sample_groups: int = 0  # training groups a step whose responses go to samples.jsonl,
+                            # with their advantages
+    # The run directory.
+    out: str = ""  # output run directory, where the run's files go
+                   # (default: runs/<task>-<time>)
+    save: bool = True  # save a checkpoint to <out>/ckpt at every eval:
+                       # the policy (HF format) + what --resume needs
+    report_to: str = "none"  # report each row also to tensorboard, wandb, or
+                             # tensorboard,wandb (lib/report.py)
+    resume: str = ""  # resume the run in this directory from its checkpoint: its config.json,
+                      # then the flags given
+    init_from: str = ""  # initial policy from a run directory (or its ckpt/): start from its
+                         # policy, at step 0, in a new run directory
+    init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay
+                                  # are this run's); else a fresh AdamW
+    preset: str = ""  # preset: a named bundle of overrides, applied before the other flags
+    eval_only: bool = False  # evaluate --model on the held-out set,
+                             # write <out>/eval.json, train nothing
+
+
+# ----------------------------------------------------------------------------
+# The command line: every field of brorl.py's Config (RunOptions' too) is a --flag, its source
+# comment the --help
 
 
 def field_help(config_cls) -> dict:
-    """--help text for each field: the comment that follows it in the Config source, continued on
-    the comment lines indented under it (as data.py's WarmStart reads its own)."""
-    src = inspect.getsource(config_cls)
-    return {name: " ".join([first, *re.findall(r"#\s*(.+)", more)])
-            for name, first, more in re.findall(r"^\s+(\w+): [^#\n]+#\s*(.+)$((?:\n {8,}#.*)*)",
-                                                src, flags=re.M)}
+    """--help text for each field: the comment that follows it in the source of the class that
+    declares it (Config, or RunOptions), continued on the comment lines indented under it (as
+    data.py's WarmStart reads its own)."""
+    helps = {}
+    for cls in reversed(config_cls.__mro__):
+        if dataclasses.is_dataclass(cls):
+            src = inspect.getsource(cls)
+            helps.update({name: " ".join([first, *re.findall(r"#\s*(.+)", more)])
+                          for name, first, more in re.findall(
+                              r"^\s+(\w+): [^#\n]+#\s*(.+)$((?:\n {8,}#.*)*)", src, flags=re.M)})
+    return helps
+
+
+def flag_fields(config_cls) -> list:
+    """The fields of config_cls in --help's order: its own (the recipe) first, then its bases'."""
+    own = vars(config_cls).get("__annotations__", {})
+    return sorted(dataclasses.fields(config_cls), key=lambda f: f.name not in own)
 
 
 def parse_bool(s: str) -> bool:
@@ -123,7 +235,11 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = field_help(config_cls)
-    for f in dataclasses.fields(config_cls):
+    # --help lists the recipe (the Config's own fields) first, then the run's options.
+    own = vars(config_cls).get("__annotations__", {})
+    groups = {True: parser.add_argument_group("the recipe (brorl.py's Config)"),
+              False: parser.add_argument_group("the run's plumbing and instruments (RunOptions)")}
+    for f in flag_fields(config_cls):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
@@ -134,8 +250,9 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
                  else f" (default: {'none' if f.default == '' else f.default})")
         # A bool flag given alone (--flag) means true.
         kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)
-        parser.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
-                            metavar=f.type.__name__.upper())
+        groups[f.name in own].add_argument(f"--{f.name}", **kind, default=None,
+                                           help=text.replace("%", "%%"),
+                                           metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")

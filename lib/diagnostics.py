@@ -11,9 +11,13 @@ the same random stream, and logs its metrics in the same row:
   - with --answer_prompts (sets task), every answer's probability and Figure 3's measures
     (lib/answers.py).
 Sampling goes through brorl.sample_share, passed in by the caller: lib/ never imports brorl.
+And what each training step records beside its update (step_records, after it): the trained rows'
+reward, the mass balance (lib/balance.py) and samples.jsonl's training responses (lib/samples.py).
 """
 
-from lib import allocation, answers, distributed, mass
+import torch
+
+from lib import allocation, answers, balance, distributed, mass, samples
 from sampler import draw_seeds
 
 
@@ -77,3 +81,45 @@ class Diagnostics:
             if distributed.is_main():
                 answers.save(self.out, step, logp, self.answer_set)
         return m, q
+
+
+# ----------------------------------------------------------------------------
+# What a training step records beside its update
+
+
+def watch_sampling(sample, cfg, followed: list):
+    """A step's sampling function (brorl.sample_step_groups' signature) that with --mass_balance,
+    on its steps, also takes the kept groups' answer distributions before any update (a
+    balance.Snapshot, in stats["balance_before"]), for step_records to compare with after it;
+    sample itself without. followed: the prompts whose Q is followed when not trained."""
+    if not cfg.mass_balance:
+        return sample
+
+    def sample_and_snapshot(model, tok, cfg, train_set, rng, step, keep_est):
+        kept, stats = sample(model, tok, cfg, train_set, rng, step, keep_est)
+        if kept and step % cfg.mass_balance == 0:
+            with torch.autocast(model.device.type, enabled=False):  # as after it: no autocast
+                stats["balance_before"] = balance.Snapshot(model, tok, cfg, kept, followed)
+        return kept, stats
+    return sample_and_snapshot
+
+
+def step_records(model, tok, cfg, kept: list, chosen: list, adv: torch.Tensor, stats) -> dict:
+    """After a step's update, of model (the updated policy): on --mass_balance's steps, each
+    trained group's mass balance (lib/balance.py, against watch_sampling's snapshot); the rewards
+    of the rows trained on and of all rollouts of the kept groups; with --sample_groups, the first
+    groups' trained responses with their advantages (samples.jsonl's, not metrics.jsonl's). kept:
+    the step's Groups; chosen: each one's trained rollouts (G tensors (m_j,)); adv (R,) the
+    trained rows' advantages, group-major."""
+    m = {}
+    if "balance_before" in stats:  # The four parts' mass, Theorem 1's terms, the others' Q.
+        model.eval()
+        before = stats["balance_before"]
+        after = balance.Snapshot(model, tok, cfg, kept, before.followed)
+        m.update(balance.records(before, after, kept, chosen))
+    trained = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
+    m.update(reward_kept=torch.cat([k.rewards for k in kept]).mean().item(),
+             reward_trained=trained.mean().item())
+    advs = list(adv.split([len(c) for c in chosen]))  # G tensors (m_j,)
+    m["train_responses"] = samples.group_records(kept, chosen, advs, tok, cfg)
+    return m

@@ -36,13 +36,13 @@ def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
     return cands[best, torch.arange(G)].sort(1).values  # (G, m)
 
 
-def focal_weight(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """F-GRPO's focal weight (arXiv 2602.06717): rewards (G, N) -> (G, 1), each group's
-    (1 - mu)^gamma with mu its success rate (the mean of its 0/1 rewards), the factor its
-    advantages are multiplied by. A group that is mostly right (mu near 1) is damped, so that the
+def focal_weight(success: torch.Tensor, gamma: float) -> torch.Tensor:
+    """F-GRPO's focal weight (arXiv 2602.06717): success (G,), each group's success rate mu (the
+    mean of its 0/1 rewards) -> (G,), each group's (1 - mu)^gamma, the factor its advantages are
+    multiplied by. A group that is mostly right (mu near 1) is damped, so that the
     update leans on the groups whose right answers are rare: the paper's remedy for the unsampled
     right mass that a sharpening update takes away."""
-    return (1 - rewards.mean(1, keepdim=True)).clamp(min=0) ** gamma
+    return (1 - success).clamp(min=0) ** gamma
 
 
 def gspo_token_loss(logp, old_logp, adv, mask, clip_low, clip_high):

@@ -240,8 +240,8 @@ def pack_groups(groups: list, dev="cpu") -> dict:
     P, and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2
     kept: response_logprobs always makes its two model calls), each row pointing at its prompt
     (`group`), and `lengths` (G, n), each row's valid tokens, float64 on the CPU: these groups',
-    which brorl.rl_step replaces with all ranks' (the normalisers' counts); groups of unequal n: R =
-    sum n_j rows and `lengths` a list of G tensors (n_j,). No groups: an empty batch."""
+    which brorl.pack_rows replaces with all ranks' (the normalisers' counts); groups of unequal n:
+    R = sum n_j rows and `lengths` a list of G tensors (n_j,). No groups: an empty batch."""
     G = len(groups)
     P = max((len(x.prompt_ids[0]) for x in groups), default=1)
     prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked

@@ -58,10 +58,9 @@ def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
 def group_records(kept, keep, adv, tok, cfg) -> list:
     """--sample_groups: the first trained responses of the step's first groups, with their
     advantages, gathered from the ranks that sampled them (every rank calls this: all hold the same
-    kept groups). kept: sample_step_groups' brorl.Group list; keep (G, m) the trained rollouts'
-    indices among each group's N; adv (G, m). Groups of unequal N (--alloc adaptive): keep and adv
-    are lists of G tensors (m_j,), indexed alike, and a record's row is found through its own
-    group's n."""
+    kept groups). kept: sample_step_groups' brorl.Group list; keep: G tensors (m_j,), the trained
+    rollouts' indices among each group's n; adv: G tensors (m_j,), their advantages (a (G, m)
+    tensor each serves as well). A record's row is found through its own group's n."""
     if not cfg.sample_groups:  # the same on every rank: no collective
         return []
     records = []

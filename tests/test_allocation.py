@@ -102,17 +102,8 @@ def test_calibration_over_the_seen_prompts():
 
 
 # ----------------------------------------------------------------------------
-# Groups of unequal N: equal sizes give the one-N path's numbers exactly
-
-
-@pytest.mark.parametrize("norm", ["batch", "response", "group", "none"])
-def test_ragged_advantages_equal_the_rectangular_ones(norm):
-    g = torch.Generator().manual_seed(1)
-    r = torch.randint(0, 2, (5, 8), generator=g).float()  # (G, N)
-    lengths = torch.randint(1, 9, (5, 8), generator=g).double()  # (G, N)
-    rect = brorl.compute_advantages(r, norm, lengths)
-    ragged = brorl.compute_advantages(list(r), norm, list(lengths))
-    assert torch.equal(torch.stack(ragged), rect)
+# Groups of unequal N: one advantage path for all (test_brorl.py holds it to each group's
+# arithmetic, to the bit); equal sizes give the one-N path's numbers exactly
 
 
 def test_ragged_advantages_whiten_over_all_tokens():
@@ -124,16 +115,17 @@ def test_ragged_advantages_whiten_over_all_tokens():
     r = [torch.randint(0, 2, (n,), generator=g).float() for n in sizes]
     r[0] = torch.tensor([0.0, 1.0])
     lengths = [torch.randint(1, 9, (n,), generator=g).double() for n in sizes]
-    adv = brorl.compute_advantages(r, "batch", lengths)
-    assert [len(a) for a in adv] == sizes
-    w, a = torch.cat(lengths), torch.cat(adv).double()
+    group = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))  # (R,)
+    adv = brorl.compute_advantages(torch.cat(r), group, "batch", torch.cat(lengths))  # (R,)
+    assert len(adv) == sum(sizes)
+    w, a = torch.cat(lengths), adv.double()
     assert (w * a).sum().item() == pytest.approx(0, abs=1e-5)
     var = (w * a * a).sum() / w.sum() * w.sum() / (w.sum() - 1)
     assert var.item() == pytest.approx(1, abs=1e-4)
     centred = torch.cat([x - x.mean() for x in r])
     assert torch.corrcoef(torch.stack([centred.double(), a]))[0, 1] == pytest.approx(1, abs=1e-6)
-    grp = brorl.compute_advantages(r, "group", lengths)
-    assert torch.allclose(grp[1], (r[1] - r[1].mean()) / (r[1].std() + 1e-6))
+    grp = brorl.compute_advantages(torch.cat(r), group, "group", torch.cat(lengths))
+    assert torch.allclose(grp[group == 1], (r[1] - r[1].mean()) / (r[1].std() + 1e-6))
 
 
 def test_ragged_micro_batches_equal_equal_sizes(monkeypatch):
@@ -205,9 +197,9 @@ def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatc
     groups of unequal N (the ragged advantages run); 4 steps == 2 steps, then --resume to 4,
     metrics and weights to the bit (the estimate is in the checkpoint)."""
     seen = []
-    ragged = brorl.compute_ragged_advantages
-    monkeypatch.setattr(brorl, "compute_ragged_advantages",
-                        lambda r, *a: seen.append([len(x) for x in r]) or ragged(r, *a))
+    advantages = brorl.compute_advantages
+    monkeypatch.setattr(brorl, "compute_advantages", lambda r, group, *a: seen.append(
+        torch.bincount(group).tolist()) or advantages(r, group, *a))
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--eval_every", "2", "--device", "cpu", *SMALL, *ADAPTIVE]
     rows_a = brorl.train(brorl.parse_config(["--steps", "4", "--out", str(a), *common]))

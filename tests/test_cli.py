@@ -5,6 +5,7 @@ line and write nothing, --help documents every flag."""
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -132,3 +133,29 @@ def test_help_documents_every_flag(capsys):
     assert set(config.field_help(brorl.Config)) == {f.name for f in dataclasses.fields(brorl.Config)}
     flat = " ".join(text.split())  # argparse wraps lines
     assert "(default: 512)" in flat and "(default: the embedded tiny model)" in flat  # the real defaults
+
+
+# Abbreviations in flag names, and the word a help that names its flag spells them with
+SPELLED = {"lr": "learning", "kl": "kl", "tis": "importance", "adv": "advantage",
+           "agg": "aggregation", "gb": "memory"}
+# Words of flag names that name nothing on their own
+GENERIC = {"max", "min", "new", "per", "every", "from", "only"}
+
+
+def test_every_flags_help_says_what_it_is():
+    """Each flag's --help says what the flag is on its own, since --help shows no block comment
+    above a field: outside its parentheses at least four words, one of them a word of the flag's
+    own name (or its abbreviation's spelling), so that no help is only a range, a default or a
+    list of choices ("n prompts; 0: off" for --answer_prompts named nothing)."""
+    bare = []
+    for name, text in config.field_help(brorl.Config).items():
+        prose = text
+        while re.search(r"\([^()]*\)", prose):  # parentheses out, the inner first
+            prose = re.sub(r"\([^()]*\)", " ", prose)
+        tokens = re.findall(r"[a-z][a-z-]*", prose.lower())
+        words = {w for t in tokens for w in (t.replace("-", ""), *t.split("-"))}
+        named = [SPELLED.get(w, w) for w in name.split("_")
+                 if w in SPELLED or (len(w) > 2 and w not in GENERIC)]
+        if len(tokens) < 4 or not any(w.startswith(n[:5]) for n in named for w in words):
+            bare.append(f"--{name}: {text}")
+    assert bare == []

@@ -89,7 +89,9 @@ def test_dr_grpo_constant_normaliser_and_no_std():
     the generation budget times the rows, whatever the responses' lengths."""
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]])
     expected = [[0.75, -0.25, -0.25, -0.25], [0.25, 0.25, 0.25, -0.75], [0, 0, 0, 0]]
-    torch.testing.assert_close(brorl.compute_advantages(r, "none"), torch.tensor(expected))
+    group = torch.arange(3).repeat_interleave(4)  # (12,)
+    torch.testing.assert_close(brorl.compute_advantages(r.flatten(), group, "none").view(3, 4),
+                               torch.tensor(expected))
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
     w = brorl.loss_weights(mask, "constant", n_rows=3, max_len=6)
     torch.testing.assert_close(w, mask.float() / 18)
@@ -207,14 +209,17 @@ def test_train_rollouts_advantages_are_over_the_trained_rows(monkeypatch):
     cfg = brorl.Config(n_rollouts=N, train_rollouts=m, prompts_per_step=2, max_new_tokens=6)
     train = [dict(prompt=p, answer="0", task="arith") for p in PROMPTS[:2]]
     metrics = brorl.rl_step(model, model, None, None, tok, cfg, train, random.Random(0), 1, torch.Generator(), 1.0)
-    lengths, adv = seen["batch"]["lengths"].double(), seen["adv"].view(2, m).double()  # (G, m) each
+    lengths = torch.stack(seen["batch"]["lengths"]).double()  # (G, m)
+    adv = seen["adv"].view(2, m).double()  # (G, m)
     assert lengths.shape == (2, m) and metrics["reward_trained"] == 0.5  # the balanced subsets: 2 right, 2 wrong
     n = lengths.sum()
     mean = (lengths * adv).sum() / n  # over the trained rows' tokens
     var = (lengths * (adv - mean) ** 2).sum() / (n - 1)
     assert abs(mean) < 1e-6 and abs(var - 1) < 1e-6
     trained = pattern.gather(1, objectives.max_variance_subset(pattern, m))  # (G, m)
-    torch.testing.assert_close(adv, brorl.compute_advantages(trained, "batch", lengths).double())
+    group = torch.arange(2).repeat_interleave(m)  # (G*m,)
+    expected = brorl.compute_advantages(trained.flatten(), group, "batch", lengths.flatten())
+    torch.testing.assert_close(adv, expected.view(2, m).double())
 
 
 @pytest.mark.parametrize("binary", [True, False])

@@ -271,38 +271,42 @@ def _focal_by_hand(rewards, base, gamma):
     return out
 
 
+def _advantages(groups, lengths, norm, gamma=0.0):
+    """brorl.compute_advantages over groups given as a list of (n_j,) tensors: a list back."""
+    group = torch.cat([torch.full((len(r),), j) for j, r in enumerate(groups)])  # (R,)
+    adv = brorl.compute_advantages(torch.cat(groups), group, norm, torch.cat(lengths), gamma)
+    return list(adv.split([len(r) for r in groups]))
+
+
 @pytest.mark.parametrize("norm", ["batch", "response", "group", "none"])
 @pytest.mark.parametrize("gamma", [0.5, 1.0, 2.0])
 def test_focal_weight_scales_each_groups_advantages_by_one_minus_its_success_rate(norm, gamma):
     """F-GRPO's focal weight (arXiv 2602.06717): A_ij -> (1 - mu_i)^gamma A_ij after the
-    advantages are computed, mu_i the group's share of right rollouts; the rectangular and the
-    ragged (groups of unequal N) paths alike. By hand: groups of 1/4 and 3/4 right at gamma 1
-    are weighted 0.75 and 0.25."""
+    advantages are computed, mu_i the group's share of right rollouts; groups of equal and of
+    unequal N alike. By hand: groups of 1/4 and 3/4 right at gamma 1 are weighted 0.75 and
+    0.25."""
     g = torch.Generator().manual_seed(3)
     rewards = (torch.rand(5, 8, generator=g) < torch.rand(5, 1, generator=g)).float()  # (G, N)
     rewards[:, 0], rewards[:, 1] = 1.0, 0.0  # every group informative
-    lengths = torch.randint(1, 7, (5, 8), generator=g)  # (G, N)
-    base = brorl.compute_advantages(rewards, norm, lengths)  # (G, N)
-    focal = brorl.compute_advantages(rewards, norm, lengths, focal_gamma=gamma)  # (G, N)
-    expect = torch.tensor(_focal_by_hand(rewards.tolist(), base.tolist(), gamma))
-    assert torch.allclose(focal, expect, atol=1e-6)
-    ragged = [rewards[0, :4], rewards[1], rewards[2, :6]]  # groups of 4, 8 and 6 rollouts
-    ragged_len = [lengths[0, :4], lengths[1], lengths[2, :6]]
-    base_r = brorl.compute_advantages(ragged, norm, ragged_len)
-    focal_r = brorl.compute_advantages(ragged, norm, ragged_len, focal_gamma=gamma)
-    for r, b, f in zip(ragged, base_r, focal_r):
-        expect = torch.tensor(_focal_by_hand([r.tolist()], [b.tolist()], gamma)[0])
-        assert torch.allclose(f, expect, atol=1e-6)
-    w = objectives.focal_weight(torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 0]]), 1.0)  # (2, 1)
-    assert w.flatten().tolist() == [0.75, 0.25]
+    lengths = torch.randint(1, 7, (5, 8), generator=g).float()  # (G, N)
+    for cut in ([8] * 5, [4, 8, 6, 3, 8]):  # equal N, then groups of unequal N
+        groups = [rewards[j, :n] for j, n in enumerate(cut)]
+        lens = [lengths[j, :n] for j, n in enumerate(cut)]
+        base = _advantages(groups, lens, norm)
+        focal = _advantages(groups, lens, norm, gamma)
+        for r, b, f in zip(groups, base, focal):
+            expect = torch.tensor(_focal_by_hand([r.tolist()], [b.tolist()], gamma)[0])
+            assert torch.allclose(f, expect, atol=1e-6)
+    w = objectives.focal_weight(torch.tensor([0.25, 0.75]), 1.0)  # (2,)
+    assert w.tolist() == [0.75, 0.25]
 
 
 def test_focal_weight_off_is_todays_advantages_to_the_bit():
     g = torch.Generator().manual_seed(4)
-    rewards = (torch.rand(6, 16, generator=g) < 0.3).float()  # (G, N)
-    lengths = torch.randint(1, 7, (6, 16), generator=g)  # (G, N)
-    assert torch.equal(brorl.compute_advantages(rewards, "batch", lengths, focal_gamma=0.0),
-                       brorl.compute_advantages(rewards, "batch", lengths))
+    groups = [(torch.rand(16, generator=g) < 0.3).float() for _ in range(6)]
+    lens = [torch.randint(1, 7, (16,), generator=g).float() for _ in range(6)]
+    assert all(torch.equal(a, b) for a, b in zip(_advantages(groups, lens, "batch", 0.0),
+                                                 _advantages(groups, lens, "batch")))
 
 
 def test_focal_gamma_reaches_the_update_and_is_checked(tmp_path):

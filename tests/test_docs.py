@@ -721,9 +721,11 @@ def quoted_in(value: str, written: list) -> bool:
 
 
 def test_study_pages_quote_only_what_their_report_writes():
-    """Every p-value on the Theorem 1 and allocation pages is one their --report writes."""
+    """Every p-value on the Theorem 1, allocation and revival pages is one their --report
+    writes."""
     for page, report in (("theorem1.md", "assets/theorem1/report.md"),
-                         ("allocation.md", "assets/allocation/report.md")):
+                         ("allocation.md", "assets/allocation/report.md"),
+                         ("revival.md", "assets/revival/report.md")):
         written = report_p_values((ROOT / report).read_text())
         quoted = page_p_values((ROOT / RESULTS / page).read_text())
         assert quoted and written, page

@@ -311,8 +311,8 @@ def compare(a: list, b: list) -> str:
     """Welch's difference with its interval, Welch's p and the exact Mann-Whitney p."""
     from tools.theorem1_study import mann_whitney, welch
     d, lo, hi = welch_interval(a, b)
-    return (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}] | {welch(a, b)[1]:.3g} | "
-            f"{mann_whitney(a, b):.3g}")
+    return (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}] | p {welch(a, b)[1]:.3g} | "
+            f"p {mann_whitney(a, b):.3g}")
 
 
 def at_cpu(m: dict, cpu: float) -> float:
@@ -379,15 +379,27 @@ def report(raw: Path) -> str:
 
 def figure(raw: Path, path: Path):
     """The trunk's mean exact Q to its plateau, then each arm's mean over seeds (its seeds' range
-    shaded): against steps (the trunk's, then the branch's), rollouts and CPU seconds."""
+    shaded): against steps (the trunk's, then the branch's), rollouts and CPU seconds; and the
+    trunk's prompts by zone."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     trunk_rows = read_jsonl(raw / "trunk" / "metrics.jsonl")
     rec = json.loads((raw / "trunk" / "plateau.json").read_text())
     runs = ablate.read_raw(raw).get("arms", {})
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, grid = plt.subplots(2, 2, figsize=(12, 8))
+    axes, zone_ax = [grid[0, 0], grid[1, 0], grid[1, 1]], grid[0, 1]
     ev = [r for r in trunk_rows if "answers_q" in r and r["step"] <= rec["step"]]
+    counts = [zones(r["answers_log10_q_per_prompt"]) for r in ev]
+    for zone, color in (("high", "C2"), ("window", "C1"), ("below", "C3")):
+        zone_ax.plot([r["step"] for r in ev], [c[zone] for c in counts], color=color,
+                     label={"high": "Q >= 1/16", "window": "reach window",
+                            "below": "Q < 1/2048"}[zone])
+    zone_ax.set_xlabel("trunk step (N = 16)")
+    zone_ax.set_ylabel("prompts")
+    zone_ax.set_yscale("symlog", linthresh=1)
+    zone_ax.axvline(rec["step"], color="grey", ls=":")
+    zone_ax.legend(fontsize=8)
     axes[0].plot([r["step"] for r in ev], [r["answers_q"] for r in ev], color="k", label="trunk")
     for i, (arm, seeds) in enumerate(sorted(runs.items())):
         curves = [arm_measures(rows)["curve"] for rows in seeds.values()]
@@ -404,7 +416,6 @@ def figure(raw: Path, path: Path):
                              "training CPU seconds since the branch")):
         ax.set_xlabel(xl)
         ax.set_ylabel("mean exact Q over the 64 prompts")
-    axes[1].set_xscale("log")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -145,39 +145,44 @@ class Run:
 
     def log(self, m: dict, keep_est: float = 0.5, q_start=None):
         """Step m's row, with the training clock, to metrics.jsonl and the log line; at an
-        evaluation also metrics.png and (--save) the checkpoint, which holds keep_est and the step-0
-        probe mass. The responses m carries (brorl.evaluate's, rl_step's with --sample_groups) go to
-        samples.jsonl instead."""
+        evaluation also (--save) the checkpoint, which holds keep_est, the step-0 probe mass and the
+        row itself, then metrics.png. The responses m carries (brorl.evaluate's, rl_step's with
+        --sample_groups) go to samples.jsonl instead. An eval row lands after its checkpoint: a
+        kill in between leaves the checkpoint and --resume takes the row from it, so a row of an
+        evaluated step never outlives a checkpoint that was not written."""
         records = [r for key in ("train_responses", "eval_responses") for r in m.pop(key, [])]
         m.update(self.clock.total)
         self.rows.append(m)
-        with no_space_is_one_line(self.out,
-                                  f"step {m['step']}'s metrics were not all written; "
-                                  f"--resume {self.out} continues from its last checkpoint"):
+        evaluated = "eval_pass@1" in m and m["step"] > 0
+        kept = f"--resume {self.out} continues from its last checkpoint"
+        if self.main and records:  # (records after the checkpoint's step are rewound on --resume)
+            with no_space_is_one_line(self.out, f"step {m['step']}'s samples were not all "
+                                                f"written; {kept}"):
+                samples.append(self.samples_path, m["step"], records)
+        if evaluated and self.cfg.save:
+            self.checkpoint(m["step"], keep_est, q_start, row=m)
+        with no_space_is_one_line(self.out, f"step {m['step']}'s metrics were not all written; "
+                                            f"{kept}"):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()
-            if self.main and records:
-                samples.append(self.samples_path, m["step"], records)
-            if "eval_pass@1" in m and m["step"] > 0 and self.main:
+            if evaluated and self.main:
                 # The plot is refreshed at every eval, not only at the end.
                 plot_metrics(self.rows, self.out / "metrics.png")
         self.report.log(m, records)  # --report_to's dashboards
-        if "eval_pass@1" in m and m["step"] > 0:
-            if self.cfg.save:
-                self.checkpoint(m["step"], keep_est, q_start)
-            if self.main:  # after the checkpoint: a resumed run's file is then exactly this one
-                samples.thin(self.samples_path)
+        if evaluated and self.main:  # after the checkpoint: a resumed run's file is then this one
+            samples.thin(self.samples_path)
         self.say(log_line(m) if m["step"] > 0 else
                  "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()
                                             if isinstance(v, float)))
 
-    def checkpoint(self, step: int, keep_est: float, q_start):
+    def checkpoint(self, step: int, keep_est: float, q_start, row: dict):
         # K > 1: the shards gathered onto rank 0
         opt_state = distributed.optimizer_state(self.model, self.opt)
+        # row: the step's metrics row as JSON, which --resume restores if metrics.jsonl lacks it
         state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt_state,
                      rng=self.rng.getstate(), gen_cpu=self.gen_cpu.get_state(),
                      world_size=distributed.world_size(), ref=self.ref_model.state_dict()
-                     if self.ref_model is not None else None)
+                     if self.ref_model is not None else None, row=json.dumps(row))
         if self.estimate is not None:  # --alloc adaptive: the per-prompt estimate of Q
             state["estimate"] = self.estimate.state_dict()
         if self.main:
@@ -217,6 +222,9 @@ def start(cfg) -> Run:
     say = tqdm.write if distributed.is_main() else (lambda line: None)
     # The rows logged after that checkpoint are redone.
     rows = read_metrics(Path(cfg.resume), state["step"], say) if ckpt else []
+    if ckpt and state.get("row") and not (rows and rows[-1]["step"] == state["step"]):
+        # Killed between its checkpoint and that step's row: the row the checkpoint holds.
+        rows.append(json.loads(state["row"]))
     # --init_from: the weights (and with --init_optimizer AdamW's moments) come from there.
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None
     if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
@@ -234,7 +242,8 @@ def start(cfg) -> Run:
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
     out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one "
-                   f"(--resume {out} continues from it)")
+                   f"(--resume {out} continues from it, or from step 0 if none)" if cfg.save else
+                   f"interrupted: {out} holds no checkpoint (--save 0): nothing to continue")
     dtype = compute_dtype(cfg, device)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, setup
+from lib import checkpoint, harness, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -262,7 +262,7 @@ def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(brorl, "rl_step", interrupted_at_step_2)
     code, err = run_in_process(capsys, "--out", str(out), "--steps", "3", "--eval_every", "1", *TINY)
     assert code == 130 and "Traceback" not in err
-    assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)"
+    assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it, or from step 0 if none)"
     monkeypatch.setattr(brorl, "rl_step", rl_step)
     assert [r["step"] for r in brorl.train(brorl.parse_config(["--resume", str(out)]))] == [0, 1, 2, 3]
 
@@ -544,6 +544,55 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path,
                 "starting it over from step 0 with its config.json") in capsys.readouterr().out
         assert strip(rows) == strip(rows_a) and same_weights(a, run)
         assert len((run / "samples.jsonl").read_text()) == len((a / "samples.jsonl").read_text())
+
+
+def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(tmp_path):
+    """SIGKILL the moment metrics.jsonl shows step 1 evaluated (a real kill, in another process):
+    the row lands after its checkpoint, so --resume continues from step 1 and ends where the
+    uninterrupted run ends, row for row, time aside, and samples.jsonl byte for byte."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([sys.executable, str(HERE / "brorl.py"), *common, "--out", str(b)],
+                         cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def evaluated_step_1() -> bool:
+        try:
+            lines = (b / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return False
+        return any(line.endswith("}") and json.loads(line)["step"] == 1 for line in lines)
+    while p.poll() is None and not evaluated_step_1():
+        pass
+    p.kill()
+    assert p.wait() == -signal.SIGKILL, "the run ended before the kill"
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b)]))
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
+    assert strip(json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()) \
+        == strip(rows_a)
+    assert (b / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+
+
+def test_a_kill_between_a_checkpoint_and_its_row_takes_the_row_from_the_checkpoint(tmp_path,
+                                                                                   monkeypatch):
+    """Stopped right after the step-2 checkpoint was saved, before its row was written: --resume
+    takes the row from the checkpoint and ends where the uninterrupted run ends."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "2", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    save = harness.save_atomic
+
+    def crash_after_the_save(model, tok, cfg, state, path):
+        save(model, tok, cfg, state, path)
+        raise Crash
+    monkeypatch.setattr(harness, "save_atomic", crash_after_the_save)
+    with pytest.raises(Crash):
+        brorl.train(brorl.parse_config([*common, "--out", str(b)]))
+    monkeypatch.setattr(harness, "save_atomic", save)
+    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b)]))
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
 
 
 def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import data
+from lib.config import fail
 from lib.mass import ids_batch
 from lib.policy import response_logprobs
 from sampler import encode_prompt
@@ -114,7 +115,22 @@ def save(out_dir, step: int, logp: torch.Tensor, examples) -> None:
     tmp.replace(folder / f"step-{step:06d}.pt")
 
 
-def load_first(out_dir) -> torch.Tensor:
-    """The first eval's distribution (a resumed run's reference), or None if it was not saved."""
+def load_first(out_dir, examples, answers: list) -> torch.Tensor:
+    """The first eval's distribution (P, A), a resumed run's reference: answers/step-000000.pt, for
+    the same prompts and answers. Missing or unreadable, it stops with one line: the current eval
+    would silently become the reference."""
     path = Path(out_dir) / "answers" / f"step-{0:06d}.pt"
-    return torch.load(path, weights_only=True)["logp"] if path.is_file() else None
+    why = "missing" if not path.is_file() else ""
+    try:
+        saved = {} if why else torch.load(path, weights_only=True)
+        logp, prompts = saved.get("logp"), saved.get("prompts")
+    except Exception as e:  # a cut-short zip, a pickle error, a directory in its place
+        why = f"unreadable: {(str(e).splitlines() or [type(e).__name__])[0][:100]}"
+    if not why and not (torch.is_tensor(logp) and logp.shape == (len(examples), len(answers))
+                        and prompts == [x["prompt"] for x in examples]):
+        why = "not the distribution of this run's --answer_prompts prompts"
+    if why:
+        fail(f"--resume {out_dir}: {path} is {why}; it is the first eval's answer distribution "
+             "that answers_right_rose and answers_worst_drop compare with (restore it, or start "
+             "the run over in another --out)")
+    return logp

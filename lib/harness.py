@@ -20,6 +20,7 @@ import data
 from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
 from lib.config import fail, surviving_checkpoint
+from lib.diagnostics import first_references
 from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
 from lib.rundir import (make_run_dir, no_space_is_one_line, open_metrics, read_metrics,
@@ -57,12 +58,14 @@ class Run:
     checkpoints), the run directory and its metrics, the clock. Rank 0 alone prints and writes."""
 
     def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out,
-                 lock, state, rows):
+                 lock, state, rows, first_answers=None):
         self.cfg, self.device, self.train_set, self.eval_set = cfg, device, train_set, eval_set
         self.model, self.replica, self.tok, self.out, self.lock = model, replica, tok, out, lock
         # --resume: the checkpoint's trainer_state.pt (read_trainer_state), else None
         self.state = state
         self.main = distributed.is_main()
+        # --resume with --answer_prompts: the first eval's answer distribution (P, A)
+        self.first_answers = first_answers
         # rows: --resume's, up to its checkpoint
         self.rows, self.metrics_file, self.clock = rows, None, Clock(cfg, {})
         # restore() sets them: what checkpoints save
@@ -240,6 +243,8 @@ def start(cfg) -> Run:
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
+    # What the measures compare with the first eval, checked before anything is written.
+    first_answers = first_references(cfg, Path(cfg.resume), eval_set, state) if ckpt else None
     out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one "
                    f"(--resume {out} continues from it, or from step 0 if none)" if cfg.save else
@@ -257,4 +262,5 @@ def start(cfg) -> Run:
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
-    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows)
+    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows,
+               first_answers)

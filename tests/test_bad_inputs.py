@@ -595,6 +595,49 @@ def test_a_kill_between_a_checkpoint_and_its_row_takes_the_row_from_the_checkpoi
     assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
 
 
+SETS = ["--preset", "sets", "--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "8",
+        "--eval_samples", "2", "--answer_prompts", "4", "--probe_prompts", "2", "--probe_samples", "4",
+        "--eval_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def sets_run(tmp_path_factory) -> Path:
+    """A finished 1-step sets run whose evals saved their answer distributions."""
+    run = tmp_path_factory.mktemp("sets") / "run"
+    brorl.train(brorl.parse_config([*SETS, "--steps", "1", "--out", str(run)]))
+    return run
+
+
+def no_probe_reference(run: Path):
+    path = run / "ckpt" / "trainer_state.pt"
+    torch.save({**torch.load(path, weights_only=True), "q_start": None}, path)
+
+
+FIRST = "answers/step-000000.pt"
+LOST_REFERENCE = [  # (how the run is broken, what the one line says)
+    (lambda run: (run / FIRST).unlink(), f"{FIRST} is missing; it is the first eval's answer"),
+    (lambda run: cut(run / FIRST), f"{FIRST} is unreadable"),
+    (lambda run: torch.save({"prompts": [], "logp": torch.zeros(1, 900)}, run / FIRST),
+     f"{FIRST} is not the distribution of this run's --answer_prompts prompts"),
+    (no_probe_reference, "its checkpoint's step-0 probe Q (trainer_state.pt's q_start) is missing"),
+]
+
+
+@pytest.mark.parametrize("breaking, needle", LOST_REFERENCE, ids=["gone", "cut", "other", "probe"])
+def test_resume_refuses_a_lost_reference_of_the_first_eval(sets_run, tmp_path, capsys, breaking,
+                                                           needle):
+    """A measure against the first eval (the answer distributions, the probe's Q) whose reference
+    is gone would compare with the current eval in silence: --resume is one line, before any
+    write."""
+    run = tmp_path / "run"
+    shutil.copytree(sets_run, run)
+    breaking(run)
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "2"))
+    assert line.startswith(f"error: --resume {run}: ") and needle in line, line
+    assert snapshot(run) == before
+
+
 def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",

@@ -23,6 +23,7 @@ import data
 from lib.config import fail
 from lib.mass import ids_batch
 from lib.policy import response_logprobs
+from lib.rundir import replace_atomic
 from sampler import encode_prompt
 
 PASS_K = [2 ** i for i in range(11)]  # 1 ... 1024
@@ -110,9 +111,9 @@ def save(out_dir, step: int, logp: torch.Tensor, examples) -> None:
     "logp": log p (P, A) float64 (as compared), the answers in the order of space()}."""
     folder = Path(out_dir) / "answers"
     folder.mkdir(exist_ok=True)
-    tmp = folder / f"step-{step:06d}.pt.tmp"
-    torch.save({"prompts": [x["prompt"] for x in examples], "logp": logp}, tmp)
-    tmp.replace(folder / f"step-{step:06d}.pt")
+    replace_atomic(folder / f"step-{step:06d}.pt",
+                   lambda tmp: torch.save({"prompts": [x["prompt"] for x in examples], "logp": logp},
+                                          tmp))
 
 
 def load_first(out_dir, examples, answers: list) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from lib import distributed
 from lib.config import fail, surviving_checkpoint
-from lib.rundir import is_io_error, no_space_is_one_line, one_line_reason
+from lib.rundir import is_io_error, writes_are_one_line, one_line_reason
 
 
 def save_atomic(model, tok, cfg, state: dict, path: Path):
@@ -30,7 +30,7 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     kept = f"{path.name}/ keeps the last one (--resume continues from it)"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with no_space_is_one_line(path.parent, f"{not_written}; {kept}"):
+        with writes_are_one_line(path.parent, f"{not_written}; {kept}"):
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

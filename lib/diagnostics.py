@@ -16,6 +16,7 @@ import torch
 
 from lib import allocation, answers, distributed, mass
 from lib.config import fail
+from lib.rundir import writes_are_one_line
 from sampler import draw_seeds
 
 
@@ -58,7 +59,7 @@ class Diagnostics:
     evaluations (the first answer distribution). estimate: --alloc adaptive's, or None."""
 
     def __init__(self, cfg, run, estimate=None):
-        self.cfg, self.out, self.estimate = cfg, run.out, estimate
+        self.cfg, self.out, self.estimate, self.kept = cfg, run.out, estimate, run.kept
         # The probe's prompts, and those whose exact Q is computed (the latter also followed by
         # --mass_balance when a step does not train them).
         self.probe, self.exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(
@@ -91,6 +92,8 @@ class Diagnostics:
                                         cfg.temperature, cfg.system_prompt)
             self.first = logp if self.first is None else self.first
             m.update(answers.eval_metrics(logp, self.right, self.first))
-            if distributed.is_main():
-                answers.save(self.out, step, logp, self.answer_set)
+            if distributed.is_main():  # before the step's row: a failure here stops the run
+                with writes_are_one_line(self.out, f"answers/step-{step:06d}.pt and step {step}'s "
+                                                   f"row were not written; {self.kept}"):
+                    answers.save(self.out, step, logp, self.answer_set)
         return m, q

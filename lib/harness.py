@@ -23,10 +23,15 @@ from lib.config import fail, surviving_checkpoint
 from lib.diagnostics import first_references
 from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
-from lib.rundir import (make_run_dir, no_space_is_one_line, open_metrics, read_metrics,
-                        record_changes, write_atomic)
+from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
+                        write_atomic, writes_are_one_line)
 from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
+
+
+# The files a run writes into its directory besides ckpt/ and answers/.
+RUN_WRITES = ("config.json", "config_history.jsonl", "metrics.jsonl", "metrics.png",
+              "samples.jsonl")
 
 
 class Clock:
@@ -73,6 +78,8 @@ class Run:
         self.estimate = None  # and --alloc adaptive's per-prompt estimate (restore())
         # samples.jsonl holds what the model wrote; restore() opens the dashboards.
         self.samples_path, self.report = out / "samples.jsonl", None
+        # what a failed write or a stop leaves: said in its one line
+        self.kept = f"--resume {out} continues from its last checkpoint, or from step 0 if none"
 
     def say(self, line: str):
         if self.main:
@@ -112,18 +119,23 @@ class Run:
                            torch.load(init / "trainer_state.pt", map_location="cpu",
                                       weights_only=True), self.cfg,
                            f"--init_from {self.cfg.init_from}")
-        if self.main and self.cfg.resume:  # what changed, kept beside config.json (the latest)
-            record_changes(self.out, start, self.cfg)
-        if self.main:  # the run directory is written once everything has loaded
-            write_atomic(self.out / "config.json",
-                         json.dumps(dataclasses.asdict(self.cfg), indent=1))
-        self.metrics_file = (open_metrics(self.out, self.rows) if self.main
-                             else open(os.devnull, "w"))
-        if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
-            samples.rewind(self.samples_path, start if resumed else -1)
-            # in case the run stopped between its checkpoint and the thinning
-            samples.thin(self.samples_path)
-        self.report = report.Report(self.cfg, self.out, start, self.main)
+        if self.main:  # every file the run writes, checked before the first is written
+            with writes_are_one_line(self.out, "the run did not start; nothing was written"):
+                check_writable(self.out, files=RUN_WRITES,
+                               folders=("answers",) if self.cfg.answer_prompts else ())
+        with writes_are_one_line(self.out, f"the run did not start; {self.kept}"):
+            if self.main and self.cfg.resume:  # what changed, kept beside config.json (the latest)
+                record_changes(self.out, start, self.cfg)
+            if self.main:  # the run directory is written once everything has loaded
+                write_atomic(self.out / "config.json",
+                             json.dumps(dataclasses.asdict(self.cfg), indent=1))
+            self.metrics_file = (open_metrics(self.out, self.rows) if self.main
+                                 else open(os.devnull, "w"))
+            if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
+                samples.rewind(self.samples_path, start if resumed else -1)
+                # in case the run stopped between its checkpoint and the thinning
+                samples.thin(self.samples_path)
+            self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
         return start, keep_est, q_start
 
@@ -157,23 +169,24 @@ class Run:
         m.update(self.clock.total)
         self.rows.append(m)
         evaluated = "eval_pass@1" in m and m["step"] > 0
-        kept = f"--resume {self.out} continues from its last checkpoint"
+        not_all = f"step {m['step']}'s row was not written; {self.kept}"
         if self.main and records:  # (records after the checkpoint's step are rewound on --resume)
-            with no_space_is_one_line(self.out, f"step {m['step']}'s samples were not all "
-                                                f"written; {kept}"):
+            with writes_are_one_line(self.out, not_all):
                 samples.append(self.samples_path, m["step"], records)
         if evaluated and self.cfg.save:
             self.checkpoint(m["step"], keep_est, q_start, row=m)
-        with no_space_is_one_line(self.out, f"step {m['step']}'s metrics were not all written; "
-                                            f"{kept}"):
+        with writes_are_one_line(self.out, not_all):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()
+        with writes_are_one_line(self.out, f"metrics.png or the dashboards miss step {m['step']}, "
+                                           f"whose row metrics.jsonl holds; {self.kept}"):
             if evaluated and self.main:
                 # The plot is refreshed at every eval, not only at the end.
                 plot_metrics(self.rows, self.out / "metrics.png")
-        self.report.log(m, records)  # --report_to's dashboards
+            self.report.log(m, records)  # --report_to's dashboards
         if evaluated and self.main:  # after the checkpoint: a resumed run's file is then this one
-            samples.thin(self.samples_path)
+            with writes_are_one_line(self.out, f"samples.jsonl was not thinned; {self.kept}"):
+                samples.thin(self.samples_path)
         self.say(log_line(m) if m["step"] > 0 else
                  "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()
                                             if isinstance(v, float)))

@@ -638,6 +638,92 @@ def test_resume_refuses_a_lost_reference_of_the_first_eval(sets_run, tmp_path, c
     assert snapshot(run) == before
 
 
+IN_THE_WAY = [  # (what is in the way, the one line's reason)
+    (lambda run: (run / "config_history.jsonl").mkdir(),
+     "a directory where a file is written: {run}/config_history.jsonl"),
+    (lambda run: (run / "metrics.png").unlink() or (run / "metrics.png").mkdir(),
+     "a directory where a file is written: {run}/metrics.png"),
+    ("answers", "not writable: {run}/answers"),  # chattr +i, or a read-only folder
+    ("samples.jsonl", "not writable: {run}/samples.jsonl"),
+]
+
+
+@pytest.mark.parametrize("breaking, reason", IN_THE_WAY,
+                         ids=["history-dir", "plot-dir", "answers-ro", "samples-ro"])
+def test_a_file_the_run_cannot_write_is_one_line_before_any_write(sets_run, tmp_path, capsys,
+                                                                  monkeypatch, breaking, reason):
+    """A file or folder of the run that cannot be written (a name in the way, immutable, read-only)
+    is named in one line before anything is written; the run directory is left byte for byte."""
+    run = tmp_path / "run"
+    shutil.copytree(sets_run, run)
+    if isinstance(breaking, str):
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p).name != breaking
+                            and access(p, mode))
+    else:
+        breaking(run)
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "2"))
+    assert line == (f"error: cannot write in {run} ({reason.format(run=run)}): the run did not start; "
+                    "nothing was written"), line
+    assert {k: v for k, v in snapshot(run).items() if k != ".lock"} == before  # (held till exit)
+
+
+def test_a_file_named_as_the_answers_folder_is_one_line_before_any_write(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "answers").write_text("")
+    line = one_line(*run_in_process(capsys, *SETS, "--steps", "1", "--out", str(out)))
+    assert line == (f"error: cannot write in {out} (a file where a folder is written: "
+                    f"{out}/answers): the run did not start; nothing was written"), line
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "answers"]  # (the lock: till exit)
+
+
+def test_a_full_disk_while_writing_answers_is_one_line_and_leaves_no_temp(sets_run, tmp_path,
+                                                                          capsys, monkeypatch):
+    """The disk fills while answers/step-000002.pt is written (torch's zip writer): one line naming
+    the file, no temp file left, and --resume then finishes as the uninterrupted run."""
+    a, run = tmp_path / "a", tmp_path / "run"
+    rows_a = brorl.train(brorl.parse_config([*SETS, "--steps", "2", "--out", str(a)]))
+    shutil.copytree(sets_run, run)
+    save = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        if str(path).endswith("step-000002.pt.tmp"):
+            Path(path).write_bytes(b"PK" * 700)
+            raise RuntimeError("[enforce fail at inline_container.cc:595] . unexpected pos 1472 vs 1366")
+        return save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "2")
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {run}: answers/step-000002.pt and step 2's "
+                              f"row were not written; --resume {run} continues from its last "
+                              "checkpoint, or from step 0 if none")
+    assert not list(run.rglob("*.tmp")) and not (run / "answers" / "step-000002.pt").exists()
+    monkeypatch.setattr(torch, "save", save)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(run)]))) == strip(rows_a)
+    assert (run / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+
+
+def test_a_full_disk_while_writing_the_plot_keeps_the_row(run, capsys, monkeypatch):
+    """The disk fills as metrics.png is drawn: one line naming it, the row of the step kept in
+    metrics.jsonl, no temp file, and the old plot whole."""
+    before = (run / "metrics.png").read_bytes()
+    import matplotlib.figure
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "4")
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {run}: metrics.png or the dashboards miss "
+                              f"step 4, whose row metrics.jsonl holds; --resume {run} continues "
+                              "from its last checkpoint, or from step 0 if none")
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    assert (run / "metrics.png").read_bytes() == before and not list(run.rglob("*.tmp"))
+
+
 def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",

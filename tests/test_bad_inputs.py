@@ -326,6 +326,53 @@ def test_the_tools_check_their_numbers(capsys, main, argv, needle):
     assert needle in one_line(exit_info.value.code, capsys.readouterr().err)
 
 
+def raw_file(text: str):
+    def write(raw: Path):
+        (raw / "keys" / "N=16").mkdir(parents=True)
+        (raw / "keys" / "N=16" / "seed0.jsonl").write_text(text)
+        return raw / "keys" / "N=16" / "seed0.jsonl"
+    return write
+
+
+STUDIES = [  # (study, flags, what is in --raw, the one line's needle)
+    ("allocation_study", ["--budget", "0"], None, "--budget 0.0: need a finite number > 0"),
+    ("allocation_study", ["--budget", "-5"], None, "--budget -5.0: need a finite number > 0"),
+    ("allocation_study", ["--budget", "nan"], None, "--budget nan: need a finite number > 0"),
+    ("allocation_study", ["--jobs", "0"], None, "--jobs 0: need >= 1"),
+    ("allocation_study", [], raw_file(""), "seed0.jsonl: empty, not a run's rows"),
+    ("allocation_study", [], raw_file('{"step": 0}\n{"step": 1, "re'),
+     "seed0.jsonl: line 2 is not a metrics row (cut short?)"),
+    ("allocation_study", ["--report"], None, "no raw files of this study to report on"),
+    ("theorem1_study", ["--cap", "nan"], None, "--cap nan: need a finite number > 0"),
+    ("theorem1_study", ["--cap", "0"], None, "--cap 0.0: need a finite number > 0"),
+    ("theorem1_study", ["--steps_iso", "2"], None, "--steps_iso 2: need >= 4"),
+    ("theorem1_study", ["--report"], None, "no raw files of this study to report on"),
+    ("theorem1_study", [], raw_file('{"step": 3}\n'), "starts at step 3, not 0"),
+    ("theorem1_study", ["--raw", "{tmp}/file"], None, "--raw {tmp}/file: cannot make it"),
+]
+
+
+@pytest.mark.parametrize("study, flags, raw, needle", STUDIES,
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_the_studies_check_their_flags_and_raw_files_before_any_run(tmp_path, capsys, monkeypatch,
+                                                                    study, flags, raw, needle):
+    """A budget or cap that is not a finite number > 0, a raw file that is not a whole run's rows,
+    a report over nothing: one line, before any run starts."""
+    from tools import ablate, allocation_study, theorem1_study
+    monkeypatch.setattr(ablate, "run_to_raw", lambda *a: pytest.fail("a run started"))
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "file").write_text("")
+    if raw:
+        raw(tmp_path / "raw")
+    main = dict(allocation_study=allocation_study.main, theorem1_study=theorem1_study.main)[study]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "out"),
+              *[f.format(tmp=tmp_path) for f in flags]])
+    line = one_line(exit_info.value.code, capsys.readouterr().err)
+    assert needle.format(tmp=tmp_path) in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 # ----------------------------------------------------------------------------
 # Small training sets, prompts past the model's context, a resumed run's config, a checkpoint that
 # cannot be written, and the ways out of a run directory

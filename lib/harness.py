@@ -174,7 +174,7 @@ class Run:
             with writes_are_one_line(self.out, not_all):
                 samples.append(self.samples_path, m["step"], records)
         if evaluated and self.cfg.save:
-            self.checkpoint(m["step"], keep_est, q_start, row=m)
+            self.checkpoint(m["step"], keep_est, q_start, m)
         with writes_are_one_line(self.out, not_all):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()

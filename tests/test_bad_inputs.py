@@ -132,6 +132,35 @@ def test_a_bad_flag_is_one_line_and_writes_nothing(tmp_path, capsys, finished, f
     assert not out.exists() and snapshot(finished) == before
 
 
+def no_tokenizer_json(model: Path):
+    (model / "tokenizer.json").unlink()
+
+
+def another_vocab_size(model: Path):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 5}))
+
+
+@pytest.mark.parametrize("breaking, needle", [
+    (no_tokenizer_json, "its tokenizer encodes text to no tokens (its tokenizer.json missing"),
+    (another_vocab_size, "its config.json says vocab_size 263, hidden_size 128; its "
+                         "model.safetensors' model.embed_tokens.weight is [258, 128]"),
+], ids=["no-tokenizer.json", "vocab_size"])
+@pytest.mark.parametrize("eval_only", [False, True], ids=["train", "--eval_only"])
+def test_a_model_whose_files_disagree_is_one_line_before_any_write(tmp_path, capsys, breaking,
+                                                                   needle, eval_only):
+    """A tokenizer that encodes every prompt to nothing (it would pass the context check and crash
+    in the sampler after the run directory is written), a config.json whose vocab_size is not its
+    weights': one line naming the model, nothing written."""
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(data.EMBEDDED_MODEL_SETS, model)
+    breaking(model)
+    line = one_line(*run_in_process(capsys, "--preset", "sets", *TINY, "--model", str(model),
+                                    "--steps", "1", *["--eval_only"] * eval_only, "--out", str(out)))
+    assert line.startswith(f"error: --model {model}: ") and needle in line, line
+    assert not out.exists()
+
+
 def break_config(run: Path):
     (run / "config.json").write_text('{"lr": 2e-4, "steps"')
 

@@ -155,7 +155,7 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
                          f"continue it with --resume {overrides['out']}, or give another --out "
                          "(delete that directory to start it over)")
     cfg = config_cls(**{**base, **overrides})
-    problem = check_config(cfg)
+    problem = unused_flag(cfg, overrides) or check_config(cfg)
     if problem:
         parser.error(problem)
     return dataclasses.replace(cfg, loss_agg=aggregation(cfg.loss, cfg.loss_agg))
@@ -318,6 +318,22 @@ PRESETS = {
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts",
                    "probe_prompts", "mass_prompts", "answer_prompts", "gate_small_n",
                    "gate_large_n", "init_from", "init_optimizer", "long_prompts")
+
+
+# Flags that change nothing unless another has a value: (the flag, the value that makes them count).
+COUNTS_ONLY_WITH = {name: ("alloc", "adaptive") for name in
+                    ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")}
+
+
+def unused_flag(cfg, given: dict) -> str:
+    """A flag typed on the command line (`given`; a preset's values are not) that would change
+    nothing in this run, as one line naming the flag that makes it count, or ''."""
+    for name, (other, value) in COUNTS_ONLY_WITH.items():
+        if name in given and getattr(cfg, other) != value:
+            return (f"--{name} {given[name]}: counts only with --{other} {value} "
+                    f"(this run's --{other} is {getattr(cfg, other)}); drop it, or add "
+                    f"--{other} {value}")
+    return ""
 
 
 def check_device(device: str) -> str:

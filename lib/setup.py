@@ -63,11 +63,12 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     if cfg.train_prompts and train_set is not None:  # the eval set's first n: every one measured
         train_set = eval_set[: cfg.train_prompts]
         check_train_size(cfg, train_set)
-    if cfg.probe_prompts > len(eval_set):  # the probe: the eval set's first ones
-        if distributed.is_main():
-            tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "
-                       f"prompt(s); the probe is those {len(eval_set)} (config.json says so)")
-        cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
+    for name in ("probe_prompts", "answer_prompts"):  # the probe's, the answer distributions'
+        if getattr(cfg, name) > len(eval_set):  # the eval set's first ones: all, recorded as used
+            if distributed.is_main():
+                tqdm.write(f"--{name} {getattr(cfg, name)}: the eval set holds {len(eval_set)} "
+                           f"prompt(s); it measures those {len(eval_set)} (config.json says so)")
+            cfg = dataclasses.replace(cfg, **{name: len(eval_set)})
     if bad := next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     return cfg, device, train_set, eval_set, model, tok, longest

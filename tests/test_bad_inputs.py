@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, harness, setup
+from lib import checkpoint, config, harness, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -804,9 +804,36 @@ def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",
                                     "--steps", "1", "--out", str(out)]))
-    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); the probe is those 1 "
+    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); it measures those 1 "
             "(config.json says so)") in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["probe_prompts"] == 1
+
+
+def test_the_answer_prompts_are_said_and_recorded_as_used(tmp_path, capsys):
+    """--answer_prompts past the eval set measures the eval set: said, and config.json records the
+    number measured, as each row holds."""
+    out = tmp_path / "run"
+    rows = brorl.train(brorl.parse_config([*SETS, "--answer_prompts", "1000", "--eval_prompts", "3",
+                                           "--steps", "1", "--out", str(out)]))
+    assert ("--answer_prompts 1000: the eval set holds 3 prompt(s); it measures those 3 "
+            "(config.json says so)") in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["answer_prompts"] == 3
+    assert len(rows[-1]["answers_log10_q_per_prompt"]) == 3
+
+
+@pytest.mark.parametrize("flags", [["--rollout_budget", "64"], ["--min_rollouts", "8"],
+                                   ["--max_rollouts", "64"], ["--alloc_decay", "0.5"]],
+                         ids=lambda x: x[0])
+def test_an_allocation_flag_without_adaptive_is_one_line(tmp_path, capsys, flags):
+    """Flags read only by --alloc adaptive, typed under --alloc uniform, would change nothing: one
+    line naming the flag that makes them count; a preset's values are never refused."""
+    out = tmp_path / "run"
+    line = one_line(*run_in_process(capsys, *TINY, *flags, "--steps", "1", "--out", str(out)))
+    assert line.endswith(f"error: {flags[0]} {flags[1]}: counts only with --alloc adaptive "
+                         "(this run's --alloc is uniform); drop it, or add --alloc adaptive"), line
+    assert not out.exists()
+    presets = {"x": dict(min_rollouts=8, alloc_decay=0.5)}
+    assert config.parse_config(brorl.Config, "", ["--preset", "x"], presets).min_rollouts == 8
 
 
 def test_ablate_escapes_a_comma_and_keeps_another_grids_summary(tmp_path, capsys):

@@ -204,6 +204,13 @@ def plan(cfg) -> list:
     positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
     train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
                                      cfg.max_new_tokens, tok, positions)
+    # The held-out prompts too, as setup() measures them: the run plans for the longest of both.
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
+    longest = max(longest, fit_context(cfg, held_out, f"{source}: held-out",
+                                       max(cfg.max_new_tokens, cfg.eval_max_new_tokens), tok,
+                                       positions)[1])
     plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
                                              report_only=True, prompt_tokens=longest, **k)
     plan_k()

@@ -499,6 +499,23 @@ def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     assert "prompts up to 300 tokens" in capsys.readouterr().out
 
 
+def test_plan_measures_the_held_out_prompts_as_the_run_does(tmp_path, capsys):
+    """--plan plans for the longest prompt of the training and the held-out sets, as the run
+    does: a long held-out row counts."""
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(dict(question=q, answer="#### 1")) + "\n"
+                            for q in ("1+0=", "2" * 3000 + "+1=")))
+    flags = ["--task", gsm8k_set(tmp_path / "train.jsonl", 8), "--eval_task", f"gsm8k:{held}",
+             "--long_prompts", "allow", "--memory_gb", "8"]
+    setup.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
+    planned = capsys.readouterr().out
+    brorl.train(brorl.parse_config([*TINY, *flags, "--steps", "0", "--out", str(tmp_path / "r")]))
+    run = capsys.readouterr().out
+    tokens = lambda out: next(line.split("prompts up to ")[1].split(" tokens")[0]
+                              for line in out.splitlines() if "prompts up to " in line)
+    assert int(tokens(planned)) > 3000 // 8 and tokens(planned) == tokens(run)
+
+
 def drop_field(name: str):
     """A run's config.json without one field (an edit, or a run older than the field)."""
     def drop(run: Path):

@@ -101,7 +101,7 @@ def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
     # A run directory: its config.json is brorl's, not a model's.
-    if (run / "metrics.jsonl").is_file():
+    if is_run_dir(run):
         left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
         fail(f"{flag} {path}: the run holds no ckpt/" + (
             f" (a crash inside its save left {left.name}/: --resume {path} takes it back)" if left
@@ -110,3 +110,15 @@ def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
                                  for f in ("config.json", "adapter_config.json"))):
         fail(f"{flag} {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
+
+
+def is_run_dir(path: Path) -> bool:
+    """A brorl run's directory (its metrics.jsonl, or a config.json that is a run's, not a
+    model's: what is left of a run copied without its checkpoint), not a model's."""
+    if (path / "metrics.jsonl").is_file():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "n_rollouts" in config and "model_type" not in config

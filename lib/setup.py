@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 import data
 import verify
 from lib import distributed, planner
-from lib.checkpoint import checkpoint_dir
+from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.config import fail, surviving_checkpoint
 from lib.policy import load_policy, split_revision
 
@@ -44,7 +44,7 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
     if cfg.eval_task and train_set:
         check_overlap(cfg, train_set, held_out)
-    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/, or one
+    if flag == "--model" and is_run_dir(Path(policy)):  # a run: its ckpt/, or one line
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
     if cfg.system_prompt and not tok.chat_template:
@@ -193,7 +193,7 @@ def plan(cfg) -> list:
     name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
     device = distributed.pick_device(cfg.device)
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
-    if (Path(name) / "metrics.jsonl").is_file():  # a run directory: its checkpoint, or one line
+    if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
         name = str(checkpoint_dir(name, "--model"))
     name, revision = split_revision(name)
     try:

@@ -600,9 +600,17 @@ def test_every_failure_of_a_checkpoint_is_one_line_and_keeps_the_last(run, capsy
     assert (run / "ckpt.old").is_file() == (how == "ckpt.old")
 
 
+@pytest.mark.parametrize("left", ["all but ckpt/", "config.json alone"])
 @pytest.mark.parametrize("eval_only", [False, True], ids=["train", "--eval_only"])
-def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, capsys, eval_only):
+def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, capsys, eval_only,
+                                                                 left):
+    """A run directory without its checkpoint (even one holding only the run's config.json, which
+    is not a model's) as --model: one line, nothing written."""
     shutil.rmtree(run / "ckpt")
+    if left == "config.json alone":
+        for path in run.iterdir():
+            if path.name != "config.json":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     out = tmp_path / "new"
     line = one_line(*run_in_process(capsys, "--model", str(run), *["--eval_only"] * eval_only,
                                     "--out", str(out), *TINY))

@@ -488,6 +488,37 @@ def test_a_prompt_past_the_context_is_one_line_or_dropped_with_a_count(tmp_path,
     assert "dropped (--long_prompts drop)" in said and [r["step"] for r in rows] == [0, 1]
 
 
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<|pad|>{{ m['content'] | trim }}"
+                                      "\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"],
+                         ids=["plain", "chat template"])
+def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(template):
+    """The context check bounds each prompt's tokens from its bytes and measures only the rows a
+    bound cannot decide: the rows past the context and the longest prompt are those of every row
+    measured, on short, long, non-ASCII and special-token rows, with and without a chat template."""
+    from transformers import AutoTokenizer
+    from lib import planner
+    tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
+    tok.chat_template = template
+    gen = torch.Generator().manual_seed(0)
+    words = ["7+8=", "ünïcode ", " x", "∑ 12 ", "  ", "\n"]
+    rows = [dict(prompt="".join(words[i] for i in torch.randint(len(words), (int(n),), generator=gen)))
+            for n in torch.randint(1, 40, (600,), generator=gen)]
+    for r in rows[::10]:  # a special token's text is one token
+        r["prompt"] += "<|endoftext|>" * 3
+    exact = planner.prompt_lengths(tok, rows)
+    lengths = setup.PromptLengths(tok, rows, "")
+    assert all(lo <= n <= hi for lo, n, hi in zip(lengths.lo, exact, lengths.hi))  # the bounds
+    for limit in (0, 20, 50, 90, 400):
+        assert lengths.over(limit) == [i for i, n in enumerate(exact) if n > limit]
+    assert lengths.longest(range(len(rows))) == max(exact)
+    kept = [i for i in range(len(rows)) if exact[i] <= 50]
+    assert lengths.longest(kept) == max(exact[i] for i in kept)
+    if template is None:  # a byte-level vocabulary and no template: most rows never tokenized
+        fresh = setup.PromptLengths(tok, rows, "")
+        fresh.over(50), fresh.longest(range(len(rows)))
+        assert len(fresh.exact) < len(rows) // 2, len(fresh.exact)
+
+
 def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     from transformers import AutoConfig, AutoTokenizer
     from lib import planner

@@ -103,6 +103,17 @@ def held_run(out: Path) -> list:
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
+def held_line(out: Path, held: list) -> str:
+    """Why a new run is refused on `out`, which holds a run: continue it with --resume, or (a run
+    evaluated after step 0 whose checkpoint is gone, or never saved: --save 0) start it over."""
+    if surviving_checkpoint(out) is None and (step := evaluated_step(out)):
+        return (f"--out {out} holds a run ({', '.join(held)}) with no checkpoint to continue "
+                f"(--save 0, or deleted; step {step} was evaluated): give another --out, or "
+                "delete that directory to start it over")
+    return (f"--out {out} holds a run ({', '.join(held)}): continue it with --resume {out}, or "
+            "give another --out (delete that directory to start it over)")
+
+
 def surviving_checkpoint(run: Path):
     """The checkpoint --resume continues from: run/ckpt; else what a crash inside its save left
     (checkpoint.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt ->
@@ -151,9 +162,7 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         overrides["out"] = overrides["resume"]
     elif not overrides.get("plan") and not overrides.get("eval_only") and overrides.get("out"):
         if held := held_run(Path(overrides["out"])):  # its metrics and checkpoint would be replaced
-            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): "
-                         f"continue it with --resume {overrides['out']}, or give another --out "
-                         "(delete that directory to start it over)")
+            parser.error(held_line(Path(overrides["out"]), held))
     cfg = config_cls(**{**base, **overrides})
     problem = unused_flag(cfg, overrides) or check_config(cfg)
     if problem:
@@ -169,6 +178,10 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     if overrides.get("init_from"):
         parser.error("--init_from starts a new run from a checkpoint; --resume continues one: "
                      "not both")
+    if (run / "trainer_state.pt").is_file() or (run.name in ("ckpt", "ckpt.tmp", "ckpt.old")
+                                                 and (run.parent / "metrics.jsonl").is_file()):
+        parser.error(f"--resume {run}: a run's checkpoint folder; give the run directory: "
+                     f"--resume {run.parent}")
     if not (run / "config.json").is_file():
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
     if surviving_checkpoint(run) is None and (step := evaluated_step(run)):  # it was deleted
@@ -200,7 +213,8 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     if changed:  # each flag that changes the run: said first, recorded by rundir.record_changes
         notes.append(f"--resume {run}: " + ", ".join(f"--{k} {base[k]!r} -> {overrides[k]!r}"
                                                     for k in changed)
-                     + " from its checkpoint on (recorded in config_history.jsonl)")
+                     + " from its checkpoint on (config_history.jsonl records it as the run "
+                       "starts)")
     for name in FIXED_ON_RESUME:
         if name in overrides and overrides[name] != base[name]:
             parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
@@ -265,7 +279,8 @@ def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dic
         values[k] = overrides[k] if k in overrides else old(base) if callable(old) else old
     if said := [k for k in missing if k not in ("resume", "out", "preset")]:
         notes.append(f"--resume {run}: its config.json lacks " + ", ".join(
-            f"--{k} (taken as {values[k]!r})" for k in said) + "; recorded in config_history.jsonl")
+            f"--{k} (taken as {values[k]!r})" for k in said)
+            + "; config_history.jsonl records it as the run starts")
     return values
 
 

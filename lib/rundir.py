@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lib import distributed
-from lib.config import fail, held_run, surviving_checkpoint
+from lib.config import fail, held_line, held_run, surviving_checkpoint
 
 
 class RunLock:
@@ -103,8 +103,7 @@ def make_run_dir(cfg, resume_from=None, fresh=True) -> tuple:
     # A run may have ended there since parse_config looked.
     if fresh and not resume_from and (held := held_run(out)):
         lock.release()
-        fail(f"--out {out} holds a run ({', '.join(held)}): "
-             f"continue it with --resume {out}, or give another --out")
+        fail(held_line(out, held))
     if resume_from:
         if surviving_checkpoint(out) != resume_from:
             lock.release()

@@ -178,6 +178,11 @@ ON_A_RUN = [
     (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n{"ste\n{"step": 1}\n'), ["--resume", "{run}", "--steps", "3"],
      "metrics.jsonl line 2 is not a metrics row"),
     (lambda run: shutil.rmtree(run / "ckpt"), ["--init_from", "{run}", "--out", "{run}-branch"], "the run holds no ckpt/"),
+    (None, ["--resume", "{run}/ckpt", "--steps", "3"], "--resume {run}/ckpt: a run's checkpoint folder; give the run "
+                                                     "directory: --resume {run}"),
+    (lambda run: shutil.rmtree(run / "ckpt"), ["--out", "{run}", "--steps", "3"],
+     "holds a run (config.json, metrics.jsonl) with no checkpoint to continue (--save 0, or deleted; step 2 was "
+     "evaluated): give another --out, or delete that directory to start it over"),
 ]
 
 
@@ -187,7 +192,7 @@ def test_a_bad_resume_is_one_line_and_leaves_the_run_as_it_was(run, capsys, brea
         breaking(run)
     before = snapshot(run)
     line = one_line(*run_in_process(capsys, *[f.format(run=run) for f in flags], *TINY[:2]))
-    assert needle in line, line
+    assert needle.format(run=run) in line, line
     assert snapshot(run) == before and not Path(f"{run}-branch").exists()
 
 
@@ -573,8 +578,8 @@ def test_a_field_older_runs_lack_is_said_and_recorded(run, capsys):
     drop_field("tis_cap")(run)
     brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3"]))
     said = capsys.readouterr().out.splitlines()
-    assert said[0] == (f"--resume {run}: its config.json lacks --tis_cap (taken as 0.0); recorded "
-                       "in config_history.jsonl")
+    assert said[0] == (f"--resume {run}: its config.json lacks --tis_cap (taken as 0.0); "
+                       "config_history.jsonl records it as the run starts")
     history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
     assert history == [dict(step=2, was={"steps": 2}, now={"steps": 3, "tis_cap": 0.0},
                             absent=["tis_cap"])]
@@ -585,7 +590,7 @@ def test_a_flag_that_changes_a_resumed_run_is_said_and_kept(run, capsys):
     brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3", "--n_rollouts", "8"]))
     said = capsys.readouterr().out.splitlines()
     assert said[0] == (f"--resume {run}: --n_rollouts 16 -> 8, --steps 2 -> 3 from its checkpoint "
-                       "on (recorded in config_history.jsonl)")
+                       "on (config_history.jsonl records it as the run starts)")
     history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
     assert history == [dict(step=2, was={"n_rollouts": 16, "steps": 2},
                             now={"n_rollouts": 8, "steps": 3}, absent=[])]

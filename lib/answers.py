@@ -111,9 +111,8 @@ def save(out_dir, step: int, logp: torch.Tensor, examples) -> None:
     "logp": log p (P, A) float64 (as compared), the answers in the order of space()}."""
     folder = Path(out_dir) / "answers"
     folder.mkdir(exist_ok=True)
-    replace_atomic(folder / f"step-{step:06d}.pt",
-                   lambda tmp: torch.save({"prompts": [x["prompt"] for x in examples], "logp": logp},
-                                          tmp))
+    saved = {"prompts": [x["prompt"] for x in examples], "logp": logp}
+    replace_atomic(folder / f"step-{step:06d}.pt", lambda tmp: torch.save(saved, tmp))
 
 
 def load_first(out_dir, examples, answers: list) -> torch.Tensor:

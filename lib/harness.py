@@ -169,13 +169,14 @@ class Run:
         m.update(self.clock.total)
         self.rows.append(m)
         evaluated = "eval_pass@1" in m and m["step"] > 0
-        not_all = f"step {m['step']}'s row was not written; {self.kept}"
         if self.main and records:  # (records after the checkpoint's step are rewound on --resume)
-            with writes_are_one_line(self.out, not_all):
+            with writes_are_one_line(self.out, f"samples.jsonl and metrics.jsonl lack step "
+                                               f"{m['step']}; {self.kept}"):
                 samples.append(self.samples_path, m["step"], records)
         if evaluated and self.cfg.save:
             self.checkpoint(m["step"], keep_est, q_start, m)
-        with writes_are_one_line(self.out, not_all):
+        with writes_are_one_line(self.out, f"metrics.jsonl lacks step {m['step']}'s row; "
+                                           f"{self.kept}"):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()
         with writes_are_one_line(self.out, f"metrics.png or the dashboards miss step {m['step']}, "

@@ -247,8 +247,9 @@ def writes_are_one_line(where: Path, what: str):
     except Exception as e:
         if not is_io_error(e):
             raise
-        if is_disk_full(e):
-            fail(f"no space left on {where}: {what}")
+        if is_disk_full(e):  # (the file, where the error names it)
+            named = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+            fail(f"no space left on {where}{named}: {what}")
         fail(f"cannot write in {where} ({one_line_reason(e)}): {what}")
 
 

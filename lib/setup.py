@@ -182,12 +182,13 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
 class PromptLengths:
     """Each row's prompt length in tokens as the sampler encodes it, bounded from its bytes alone
     (O(rows), no tokenizer call) and measured (planner.prompt_lengths) only where a bound cannot
-    decide: lo <= tokens <= hi, where lo = (the template's bytes + the stripped prompt's) / the most
-    bytes a token covers, rounded up, - slack (0 where the prompt holds a special token's text), and hi =
-    the template's tokens + the prompt's bytes + slack (every token covers at least one byte; the
-    slack, 2: merges across a chat template's edges, a template that trims its content, a
-    SentencePiece prefix space; 0 for a byte-level tokenizer with no template). Where these bounds may not hold (a slow tokenizer, or a measured
-    row outside its bounds) every row is measured, as the sampler would encode it."""
+    decide. lo <= tokens <= hi, where lo = (the template's bytes + the stripped prompt's) / the
+    most bytes a token covers, rounded up, - slack (0 where the prompt holds a special token's
+    text), and hi = the template's tokens + the prompt's bytes + slack: every token covers at least
+    one byte. The slack, 2, covers merges across a chat template's edges, a template that trims its
+    content and a SentencePiece prefix space; it is 0 for a byte-level tokenizer with no template.
+    Where these bounds may not hold (a slow tokenizer, or a measured row outside its bounds) every
+    row is measured."""
 
     CHUNK = 256  # rows measured a call, for the longest
 
@@ -244,9 +245,9 @@ class PromptLengths:
 
 def template_bounds(tok, system_prompt: str):
     """What PromptLengths bounds a prompt with: (the bytes outside special tokens and the tokens of
-    the prompt's template around an empty prompt, the most bytes one token covers, a pattern of the special tokens' text
-    or None, the slack); None for a tokenizer that is not a fast one (its vocabulary is not read
-    here)."""
+    the prompt's template around an empty prompt, the most bytes one token covers, a pattern of
+    the special tokens' text or None, the slack); None for a tokenizer that is not a fast one (its
+    vocabulary is not read here)."""
     if not getattr(tok, "is_fast", False):
         return None
     if tok.chat_template:

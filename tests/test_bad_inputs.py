@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, config, harness, setup
+from lib import checkpoint, config, harness, samples, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -840,6 +840,33 @@ def test_a_full_disk_while_writing_answers_is_one_line_and_leaves_no_temp(sets_r
     monkeypatch.setattr(torch, "save", save)
     assert strip(brorl.train(brorl.parse_config(["--resume", str(run)]))) == strip(rows_a)
     assert (run / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+
+
+def test_a_full_disk_while_appending_samples_is_one_line_and_resumes_exactly(tmp_path, capsys,
+                                                                            monkeypatch):
+    """The disk fills as step 2's samples are appended (before its checkpoint): one line naming
+    the files, and --resume redoes step 2 from step 1's checkpoint to the uninterrupted run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    append = samples.append
+
+    def full(path, step, records):
+        if step == 2:
+            with open(path, "a") as f:
+                f.write('{"step": 2, "kind": "ev')  # cut short, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append(path, step, records)
+    monkeypatch.setattr(samples, "append", full)
+    code, err = run_in_process(capsys, *common, "--out", str(b))
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {b}: samples.jsonl and metrics.jsonl lack "
+                              f"step 2; --resume {b} continues from its last checkpoint, or from "
+                              "step 0 if none")
+    monkeypatch.setattr(samples, "append", append)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(b)]))) == strip(rows_a)
+    assert (b / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+    assert same_weights(a, b) and not list(b.rglob("*.tmp"))
 
 
 def test_a_full_disk_while_writing_the_plot_keeps_the_row(run, capsys, monkeypatch):

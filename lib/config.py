@@ -166,7 +166,11 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     cfg = config_cls(**{**base, **overrides})
     problem = unused_flag(cfg, overrides) or check_config(cfg)
     if problem:
-        parser.error(problem)
+        # A flag named that was not typed: whose value it is (the preset's, the resumed run's).
+        untyped = [k for k in re.findall(r"--(\w+)", problem) if k in base and k not in overrides]
+        source = "the run's config.json" if overrides.get("resume") else f"--preset {preset}"
+        parser.error(problem + (f" (--{untyped[0]} {base[untyped[0]]!r} comes from {source})"
+                                if untyped else ""))
     return dataclasses.replace(cfg, loss_agg=aggregation(cfg.loss, cfg.loss_agg))
 
 

@@ -113,6 +113,9 @@ NEW_RUN = [
     (["--model", "{nan_model}"], "holds NaN or inf"),
     (["--memory_gb", "0.00001"], "even one rollout row needs 7.3 MB"),  # not "0.0 GB"
     (["--init_from", "{run}", "--resume", "{run}"], "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+    # a flag the preset set, not the user: said so
+    (["--preset", "sets", "--task", "keys"], "needs --task sets (an answer space small enough to enumerate) "
+                                             "(--answer_prompts 64 comes from --preset sets)"),
 ]
 if not torch.cuda.is_available():
     NEW_RUN.append((["--device", "cuda"], "--device cuda: no CUDA device is available here"))

@@ -363,11 +363,10 @@ def test_the_tools_check_their_numbers(capsys, main, argv, needle):
     assert needle in one_line(exit_info.value.code, capsys.readouterr().err)
 
 
-def raw_file(text: str):
+def raw_file(text: str, where: str = "keys/N=16"):
     def write(raw: Path):
-        (raw / "keys" / "N=16").mkdir(parents=True)
-        (raw / "keys" / "N=16" / "seed0.jsonl").write_text(text)
-        return raw / "keys" / "N=16" / "seed0.jsonl"
+        (raw / where).mkdir(parents=True)
+        (raw / where / "seed0.jsonl").write_text(text)
     return write
 
 
@@ -386,6 +385,11 @@ STUDIES = [  # (study, flags, what is in --raw, the one line's needle)
     ("theorem1_study", ["--report"], None, "no raw files of this study to report on"),
     ("theorem1_study", [], raw_file('{"step": 3}\n'), "starts at step 3, not 0"),
     ("theorem1_study", ["--raw", "{tmp}/file"], None, "--raw {tmp}/file: cannot make it"),
+    ("theorem1_study", ["--report"], lambda raw: (raw_file('{"step": 0}\n', "nalone/N=16,B=8")(raw),
+                                                  (raw / "report.md").mkdir()),
+     "--raw {tmp}/raw: {tmp}/raw/report.md is not a writable file"),
+    ("allocation_study", ["--report"], raw_file('{"step": 0}\n'),
+     "keys/N=16/seed0.jsonl holds no row with the exact Q (mass_exact_mean): not a run of this study"),
 ]
 
 

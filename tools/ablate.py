@@ -276,6 +276,7 @@ def read_raw(raw: Path) -> dict:
 
 
 def raw_seed(path: Path) -> int:
+    """The seed a raw file's name holds, or one line."""
     if not path.stem[4:].isdigit():
         fail(f"{path}: not a raw file's name (seed<S>.jsonl, S a number)")
     return int(path.stem[4:])
@@ -292,23 +293,22 @@ def raw_rows(path: Path) -> list:
     if not rows:
         fail(f"{path}: empty, not a run's rows; {redo}")
     if None in rows:
-        fail(f"{path}: line {rows.index(None) + 1} is not a metrics row (cut short?); "
-                 f"{redo}")
+        fail(f"{path}: line {rows.index(None) + 1} is not a metrics row (cut short?); {redo}")
     if rows[0]["step"] != 0:
-        fail(f"{path}: starts at step {rows[0]['step']}, not 0 (not a whole run); "
-                 f"{redo}")
+        fail(f"{path}: starts at step {rows[0]['step']}, not 0 (not a whole run); {redo}")
     return rows
 
 
-def writable_dir(flag: str, path: Path):
-    """A study's output folder, made if missing; one that cannot be written: one line, before any
-    run."""
+def writable_dir(flag: str, path: Path, files=()):
+    """A study's output folder, made if missing, and the files it rewrites there: one that cannot
+    be written is one line, before any run."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"{flag} {path}: cannot make it ({e.strerror})")
-    if not os.access(path, os.W_OK):
-        fail(f"{flag} {path}: not writable")
+    for p in (path, *(path / f for f in files)):
+        if p.exists() and (not os.access(p, os.W_OK) or (p != path and p.is_dir())):
+            fail(f"{flag} {path}: {p} is not a writable {'folder' if p == path else 'file'}")
 
 
 def finite_positive(flag: str, value: float):

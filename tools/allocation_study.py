@@ -109,7 +109,13 @@ def read(raw: Path) -> dict:
             for task, arms in ablate.read_raw(raw).items() if task in TASKS}
     if not any(runs.values()):
         fail(f"--raw {raw}: no raw files of this study to report on "
-                 "(<raw>/<task>/<arm>/seed<S>.jsonl); run it first")
+             "(<raw>/<task>/<arm>/seed<S>.jsonl); run it first")
+    for task, arms in runs.items():
+        for arm, seeds in arms.items():
+            for seed, rows in seeds.items():
+                if not any("mass_exact_mean" in r for r in rows):
+                    fail(f"--raw {raw}: {task}/{arm}/seed{seed}.jsonl holds no row with the "
+                         "exact Q (mass_exact_mean): not a run of this study")
     return {task: {arm: {seed: measures(rows, arm) for seed, rows in seeds.items()}
                    for arm, seeds in arms.items()} for task, arms in runs.items()}
 
@@ -196,7 +202,7 @@ def main(argv=None):
         fail(f"--seeds: {bad[0]}: need seeds >= 0")
     if args.report:  # over raw files that exist, into --raw
         read(raw)
-    ablate.writable_dir("--raw", raw)
+    ablate.writable_dir("--raw", raw, files=("report.md", "figure.png"))
     if not args.report:
         ablate.writable_dir("--out", Path(args.out))
         ablate.read_raw(raw)

@@ -125,7 +125,7 @@ def read(raw: Path) -> dict:
     data = {sweep: configs for sweep, configs in ablate.read_raw(raw).items() if sweep in SWEEPS}
     if not data:
         fail(f"--raw {raw}: no raw files of this study to report on "
-                 "(<raw>/<sweep>/<config>/seed<S>.jsonl); run it first")
+             "(<raw>/<sweep>/<config>/seed<S>.jsonl); run it first")
     return data
 
 
@@ -345,11 +345,11 @@ def main(argv=None):
         fail(f"--seeds: {bad[0]}: need seeds >= 0")
     if args.report:  # over raw files that exist, into --raw
         read(raw)
-        ablate.writable_dir("--raw", raw)
+        ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
         print(report(raw))
         figure(raw)
         return
-    ablate.writable_dir("--raw", raw)
+    ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
     ablate.writable_dir("--out", Path(args.out))
     ablate.read_raw(raw)
     out, failed = Path(args.out), 0

@@ -27,7 +27,8 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     previous checkpoint as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     not_written = f"the checkpoint of step {state['step']} was not written"
-    kept = f"{path.name}/ keeps the last one (--resume continues from it)"
+    kept = (f"{path.name}/ keeps the last one (--resume continues from it)" if path.exists() else
+            f"there is no earlier one (--resume {path.parent} starts the run over from step 0)")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with writes_are_one_line(path.parent, f"{not_written}; {kept}"):

@@ -286,6 +286,29 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
     assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_the_run_starts_over(tmp_path, capsys,
+                                                                      monkeypatch):
+    """ENOSPC as the first checkpoint is written: the line says there is no earlier one and that
+    --resume starts over, which it then does, ending where the uninterrupted run ends."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "2", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    save = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        if Path(path).name == "trainer_state.part":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full)
+    code, err = run_in_process(capsys, *common, "--out", str(b))
+    assert code == 2 and last_line(err) == (
+        f"error: no space left on {b}: the checkpoint of step 1 was not written; there is no "
+        f"earlier one (--resume {b} starts the run over from step 0)")
+    monkeypatch.setattr(torch, "save", save)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(b)]))) == strip(rows_a)
+    assert same_weights(a, b)
+
+
 def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
     """Ctrl-C in the middle of step 2: exit status 130 and one line saying what is kept; the step-1
     checkpoint is whole and --resume continues from it."""

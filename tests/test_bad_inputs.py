@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -731,7 +732,7 @@ def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(t
             return False
         return any(line.endswith("}") and json.loads(line)["step"] == 1 for line in lines)
     while p.poll() is None and not evaluated_step_1():
-        pass
+        time.sleep(0.002)
     p.kill()
     assert p.wait() == -signal.SIGKILL, "the run ended before the kill"
     rows_b = brorl.train(brorl.parse_config(["--resume", str(b)]))

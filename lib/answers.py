@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 import data
+from lib.config import fail
 from lib.mass import ids_batch
 from lib.policy import response_logprobs
+from lib.rundir import replace_atomic
 from sampler import encode_prompt
 
 PASS_K = [2 ** i for i in range(11)]  # 1 ... 1024
@@ -109,12 +111,26 @@ def save(out_dir, step: int, logp: torch.Tensor, examples) -> None:
     "logp": log p (P, A) float64 (as compared), the answers in the order of space()}."""
     folder = Path(out_dir) / "answers"
     folder.mkdir(exist_ok=True)
-    tmp = folder / f"step-{step:06d}.pt.tmp"
-    torch.save({"prompts": [x["prompt"] for x in examples], "logp": logp}, tmp)
-    tmp.replace(folder / f"step-{step:06d}.pt")
+    saved = {"prompts": [x["prompt"] for x in examples], "logp": logp}
+    replace_atomic(folder / f"step-{step:06d}.pt", lambda tmp: torch.save(saved, tmp))
 
 
-def load_first(out_dir) -> torch.Tensor:
-    """The first eval's distribution (a resumed run's reference), or None if it was not saved."""
+def load_first(out_dir, examples, answers: list) -> torch.Tensor:
+    """The first eval's distribution (P, A), a resumed run's reference: answers/step-000000.pt, for
+    the same prompts and answers. Missing or unreadable, it stops with one line: the current eval
+    would silently become the reference."""
     path = Path(out_dir) / "answers" / f"step-{0:06d}.pt"
-    return torch.load(path, weights_only=True)["logp"] if path.is_file() else None
+    why = "missing" if not path.is_file() else ""
+    try:
+        saved = {} if why else torch.load(path, weights_only=True)
+        logp, prompts = saved.get("logp"), saved.get("prompts")
+    except Exception as e:  # a cut-short zip, a pickle error, a directory in its place
+        why = f"unreadable: {(str(e).splitlines() or [type(e).__name__])[0][:100]}"
+    if not why and not (torch.is_tensor(logp) and logp.shape == (len(examples), len(answers))
+                        and prompts == [x["prompt"] for x in examples]):
+        why = "not the distribution of this run's --answer_prompts prompts"
+    if why:
+        fail(f"--resume {out_dir}: {path} is {why}; it is the first eval's answer distribution "
+             "that answers_right_rose and answers_worst_drop compare with (restore it, or start "
+             "the run over in another --out)")
+    return logp

@@ -15,7 +15,7 @@ import torch
 
 from lib import distributed
 from lib.config import fail, surviving_checkpoint
-from lib.rundir import is_io_error, no_space_is_one_line, one_line_reason
+from lib.rundir import is_io_error, writes_are_one_line, one_line_reason
 
 
 def save_atomic(model, tok, cfg, state: dict, path: Path):
@@ -27,10 +27,11 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     previous checkpoint as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     not_written = f"the checkpoint of step {state['step']} was not written"
-    kept = f"{path.name}/ keeps the last one (--resume continues from it)"
+    kept = (f"{path.name}/ keeps the last one (--resume continues from it)" if path.exists() else
+            f"there is no earlier one (--resume {path.parent} starts the run over from step 0)")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with no_space_is_one_line(path.parent, f"{not_written}; {kept}"):
+        with writes_are_one_line(path.parent, f"{not_written}; {kept}"):
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
             (tmp / "brorl_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
@@ -101,7 +102,7 @@ def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
     if (run / "ckpt" / "config.json").is_file() or (run / "ckpt" / "adapter_config.json").is_file():
         return run / "ckpt"
     # A run directory: its config.json is brorl's, not a model's.
-    if (run / "metrics.jsonl").is_file():
+    if is_run_dir(run):
         left = surviving_checkpoint(run)  # what a crash inside a save left, if anything
         fail(f"{flag} {path}: the run holds no ckpt/" + (
             f" (a crash inside its save left {left.name}/: --resume {path} takes it back)" if left
@@ -110,3 +111,15 @@ def checkpoint_dir(path: str, flag: str = "--init_from") -> Path:
                                  for f in ("config.json", "adapter_config.json"))):
         fail(f"{flag} {path}: holds no checkpoint (no ckpt/, and no model's config.json)")
     return run
+
+
+def is_run_dir(path: Path) -> bool:
+    """A brorl run's directory (its metrics.jsonl, or a config.json that is a run's, not a
+    model's: what is left of a run copied without its checkpoint), not a model's."""
+    if (path / "metrics.jsonl").is_file():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "n_rollouts" in config and "model_type" not in config

@@ -215,6 +215,17 @@ def held_run(out: Path) -> list:
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
+def held_line(out: Path, held: list) -> str:
+    """Why a new run is refused on `out`, which holds a run: continue it with --resume, or (a run
+    evaluated after step 0 whose checkpoint is gone, or never saved: --save 0) start it over."""
+    if surviving_checkpoint(out) is None and (step := evaluated_step(out)):
+        return (f"--out {out} holds a run ({', '.join(held)}) with no checkpoint to continue "
+                f"(--save 0, or deleted; step {step} was evaluated): give another --out, or "
+                "delete that directory to start it over")
+    return (f"--out {out} holds a run ({', '.join(held)}): continue it with --resume {out}, or "
+            "give another --out (delete that directory to start it over)")
+
+
 def surviving_checkpoint(run: Path):
     """The checkpoint --resume continues from: run/ckpt; else what a crash inside its save left
     (checkpoint.save_atomic writes ckpt.tmp, its trainer_state.pt last, then renames ckpt ->
@@ -268,13 +279,15 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         overrides["out"] = overrides["resume"]
     elif not overrides.get("plan") and not overrides.get("eval_only") and overrides.get("out"):
         if held := held_run(Path(overrides["out"])):  # its metrics and checkpoint would be replaced
-            parser.error(f"--out {overrides['out']} holds a run ({', '.join(held)}): "
-                         f"continue it with --resume {overrides['out']}, or give another --out "
-                         "(delete that directory to start it over)")
+            parser.error(held_line(Path(overrides["out"]), held))
     cfg = config_cls(**{**base, **overrides})
-    problem = check_config(cfg)
+    problem = unused_flag(cfg, overrides) or check_config(cfg)
     if problem:
-        parser.error(problem)
+        # A flag named that was not typed: whose value it is (the preset's, the resumed run's).
+        untyped = [k for k in re.findall(r"--(\w+)", problem) if k in base and k not in overrides]
+        source = "the run's config.json" if overrides.get("resume") else f"--preset {preset}"
+        parser.error(problem + (f" (--{untyped[0]} {base[untyped[0]]!r} comes from {source})"
+                                if untyped else ""))
     return dataclasses.replace(cfg, loss_agg=aggregation(cfg.loss, cfg.loss_agg))
 
 
@@ -286,6 +299,10 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     if overrides.get("init_from"):
         parser.error("--init_from starts a new run from a checkpoint; --resume continues one: "
                      "not both")
+    if (run / "trainer_state.pt").is_file() or (run.name in ("ckpt", "ckpt.tmp", "ckpt.old")
+                                                 and (run.parent / "metrics.jsonl").is_file()):
+        parser.error(f"--resume {run}: a run's checkpoint folder; give the run directory: "
+                     f"--resume {run.parent}")
     if not (run / "config.json").is_file():
         parser.error(f"--resume {run}: no checkpoint to resume ({run / 'config.json'} is missing)")
     if surviving_checkpoint(run) is None and (step := evaluated_step(run)):  # it was deleted
@@ -317,7 +334,8 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     if changed:  # each flag that changes the run: said first, recorded by rundir.record_changes
         notes.append(f"--resume {run}: " + ", ".join(f"--{k} {base[k]!r} -> {overrides[k]!r}"
                                                     for k in changed)
-                     + " from its checkpoint on (recorded in config_history.jsonl)")
+                     + " from its checkpoint on (config_history.jsonl records it as the run "
+                       "starts)")
     for name in FIXED_ON_RESUME:
         if name in overrides and overrides[name] != base[name]:
             parser.error(f"--{name} {overrides[name]} with --resume {run}: the checkpoint fixes it "
@@ -382,7 +400,8 @@ def missing_fields(parser, run: Path, base: dict, overrides: dict, defaults: dic
         values[k] = overrides[k] if k in overrides else old(base) if callable(old) else old
     if said := [k for k in missing if k not in ("resume", "out", "preset")]:
         notes.append(f"--resume {run}: its config.json lacks " + ", ".join(
-            f"--{k} (taken as {values[k]!r})" for k in said) + "; recorded in config_history.jsonl")
+            f"--{k} (taken as {values[k]!r})" for k in said)
+            + "; config_history.jsonl records it as the run starts")
     return values
 
 
@@ -435,6 +454,22 @@ PRESETS = {
 FIXED_ON_RESUME = ("seed", "model", "task", "digits", "eval_task", "eval_seed", "eval_prompts",
                    "probe_prompts", "mass_prompts", "answer_prompts", "gate_small_n",
                    "gate_large_n", "init_from", "init_optimizer", "long_prompts")
+
+
+# Flags that change nothing unless another has a value: (the flag, the value that makes them count).
+COUNTS_ONLY_WITH = {name: ("alloc", "adaptive") for name in
+                    ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")}
+
+
+def unused_flag(cfg, given: dict) -> str:
+    """A flag typed on the command line (`given`; a preset's values are not) that would change
+    nothing in this run, as one line naming the flag that makes it count, or ''."""
+    for name, (other, value) in COUNTS_ONLY_WITH.items():
+        if name in given and getattr(cfg, other) != value:
+            return (f"--{name} {given[name]}: counts only with --{other} {value} "
+                    f"(this run's --{other} is {getattr(cfg, other)}); drop it, or add "
+                    f"--{other} {value}")
+    return ""
 
 
 def check_device(device: str) -> str:

@@ -18,6 +18,8 @@ reward, the mass balance (lib/balance.py) and samples.jsonl's training responses
 import torch
 
 from lib import allocation, answers, balance, distributed, mass, samples
+from lib.config import fail
+from lib.rundir import writes_are_one_line
 from sampler import draw_seeds
 
 
@@ -40,12 +42,27 @@ def probe_mass(model, tok, probe, cfg, gen, sample, start=None) -> tuple:
     return q, m
 
 
+def first_references(cfg, run_dir, eval_set, state: dict):
+    """--resume: what the measures compare with the run's first eval, checked before any write:
+    the probe's step-0 Q (the checkpoint's q_start, (probe_prompts,)) and, with --answer_prompts,
+    the first answer distribution (answers/step-000000.pt), which this returns. Either missing or
+    unreadable stops with one line."""
+    q = state.get("q_start")
+    if not (torch.is_tensor(q) and q.shape == (min(cfg.probe_prompts, len(eval_set)),)):
+        fail(f"--resume {run_dir}: its checkpoint's step-0 probe Q (trainer_state.pt's q_start) is "
+             f"{'missing' if q is None else 'not one value per probe prompt'}; mass_rose, "
+             "mass_fell and mass_worst_drop compare with it (start the run over in another --out)")
+    space = answers.space(cfg.task)
+    return (answers.load_first(run_dir, eval_set[: cfg.answer_prompts], space)
+            if cfg.answer_prompts and space else None)
+
+
 class Diagnostics:
     """The prompts each diagnostic follows, fixed for the whole run, and what it carries between
     evaluations (the first answer distribution). estimate: --alloc adaptive's, or None."""
 
     def __init__(self, cfg, run, estimate=None):
-        self.cfg, self.out, self.estimate = cfg, run.out, estimate
+        self.cfg, self.out, self.estimate, self.kept = cfg, run.out, estimate, run.kept
         # The probe's prompts, and those whose exact Q is computed (the latter also followed by
         # --mass_balance when a step does not train them).
         self.probe, self.exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(
@@ -53,10 +70,10 @@ class Diagnostics:
         # Each training prompt's position: where the estimate keeps an eval prompt's Q.
         self.position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
         # The sets task's answer distributions: their prompts, each prompt's right answers, and
-        # the first evaluation's distribution (from disk when a run resumes).
+        # the first evaluation's distribution (from disk when a run resumes: first_references).
         self.answer_set, self.space = run.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
         self.right = answers.right_mask(self.answer_set, self.space)
-        self.first = answers.load_first(run.out)
+        self.first = run.first_answers
 
     def measure(self, model, tok, gen, sample, step, q_start=None) -> tuple:
         """This evaluation's diagnostics of model: their metrics, and the probe's Q (P,). gen is
@@ -78,8 +95,10 @@ class Diagnostics:
                                         cfg.temperature, cfg.system_prompt)
             self.first = logp if self.first is None else self.first
             m.update(answers.eval_metrics(logp, self.right, self.first))
-            if distributed.is_main():
-                answers.save(self.out, step, logp, self.answer_set)
+            if distributed.is_main():  # before the step's row: a failure here stops the run
+                with writes_are_one_line(self.out, f"answers/step-{step:06d}.pt and step {step}'s "
+                                                   f"row were not written; {self.kept}"):
+                    answers.save(self.out, step, logp, self.answer_set)
         return m, q
 
 

@@ -20,12 +20,18 @@ import data
 from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
 from lib.config import fail, surviving_checkpoint
+from lib.diagnostics import first_references
 from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
-from lib.rundir import (make_run_dir, no_space_is_one_line, open_metrics, read_metrics,
-                        record_changes, write_atomic)
+from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
+                        write_atomic, writes_are_one_line)
 from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
+
+
+# The files a run writes into its directory besides ckpt/ and answers/.
+RUN_WRITES = ("config.json", "config_history.jsonl", "metrics.jsonl", "metrics.png",
+              "samples.jsonl")
 
 
 class Clock:
@@ -57,12 +63,14 @@ class Run:
     checkpoints), the run directory and its metrics, the clock. Rank 0 alone prints and writes."""
 
     def __init__(self, cfg, device, train_set, eval_set, model, replica, tok, out,
-                 lock, state, rows):
+                 lock, state, rows, first_answers=None):
         self.cfg, self.device, self.train_set, self.eval_set = cfg, device, train_set, eval_set
         self.model, self.replica, self.tok, self.out, self.lock = model, replica, tok, out, lock
         # --resume: the checkpoint's trainer_state.pt (read_trainer_state), else None
         self.state = state
         self.main = distributed.is_main()
+        # --resume with --answer_prompts: the first eval's answer distribution (P, A)
+        self.first_answers = first_answers
         # rows: --resume's, up to its checkpoint
         self.rows, self.metrics_file, self.clock = rows, None, Clock(cfg, {})
         # restore() sets them: what checkpoints save
@@ -70,6 +78,8 @@ class Run:
         self.estimate = None  # and --alloc adaptive's per-prompt estimate (restore())
         # samples.jsonl holds what the model wrote; restore() opens the dashboards.
         self.samples_path, self.report = out / "samples.jsonl", None
+        # what a failed write or a stop leaves: said in its one line
+        self.kept = f"--resume {out} continues from its last checkpoint, or from step 0 if none"
 
     def say(self, line: str):
         if self.main:
@@ -109,18 +119,23 @@ class Run:
                            torch.load(init / "trainer_state.pt", map_location="cpu",
                                       weights_only=True), self.cfg,
                            f"--init_from {self.cfg.init_from}")
-        if self.main and self.cfg.resume:  # what changed, kept beside config.json (the latest)
-            record_changes(self.out, start, self.cfg)
-        if self.main:  # the run directory is written once everything has loaded
-            write_atomic(self.out / "config.json",
-                         json.dumps(dataclasses.asdict(self.cfg), indent=1))
-        self.metrics_file = (open_metrics(self.out, self.rows) if self.main
-                             else open(os.devnull, "w"))
-        if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
-            samples.rewind(self.samples_path, start if resumed else -1)
-            # in case the run stopped between its checkpoint and the thinning
-            samples.thin(self.samples_path)
-        self.report = report.Report(self.cfg, self.out, start, self.main)
+        if self.main:  # every file the run writes, checked before the first is written
+            with writes_are_one_line(self.out, "the run did not start; nothing was written"):
+                check_writable(self.out, files=RUN_WRITES,
+                               folders=("answers",) if self.cfg.answer_prompts else ())
+        with writes_are_one_line(self.out, f"the run did not start; {self.kept}"):
+            if self.main and self.cfg.resume:  # what changed, kept beside config.json (the latest)
+                record_changes(self.out, start, self.cfg)
+            if self.main:  # the run directory is written once everything has loaded
+                write_atomic(self.out / "config.json",
+                             json.dumps(dataclasses.asdict(self.cfg), indent=1))
+            self.metrics_file = (open_metrics(self.out, self.rows) if self.main
+                                 else open(os.devnull, "w"))
+            if self.main:  # samples.jsonl as its checkpoint left it (a fresh start: empty)
+                samples.rewind(self.samples_path, start if resumed else -1)
+                # in case the run stopped between its checkpoint and the thinning
+                samples.thin(self.samples_path)
+            self.report = report.Report(self.cfg, self.out, start, self.main)
         self.clock = Clock(self.cfg, self.rows[-1] if self.rows else {})
         return start, keep_est, q_start
 
@@ -145,39 +160,46 @@ class Run:
 
     def log(self, m: dict, keep_est: float = 0.5, q_start=None):
         """Step m's row, with the training clock, to metrics.jsonl and the log line; at an
-        evaluation also metrics.png and (--save) the checkpoint, which holds keep_est and the step-0
-        probe mass. The responses m carries (brorl.evaluate's, rl_step's with --sample_groups) go to
-        samples.jsonl instead."""
+        evaluation also (--save) the checkpoint, which holds keep_est, the step-0 probe mass and the
+        row itself, then metrics.png. The responses m carries (brorl.evaluate's, rl_step's with
+        --sample_groups) go to samples.jsonl instead. An eval row lands after its checkpoint: a
+        kill in between leaves the checkpoint and --resume takes the row from it, so a row of an
+        evaluated step never outlives a checkpoint that was not written."""
         records = [r for key in ("train_responses", "eval_responses") for r in m.pop(key, [])]
         m.update(self.clock.total)
         self.rows.append(m)
-        with no_space_is_one_line(self.out,
-                                  f"step {m['step']}'s metrics were not all written; "
-                                  f"--resume {self.out} continues from its last checkpoint"):
+        evaluated = "eval_pass@1" in m and m["step"] > 0
+        if self.main and records:  # (records after the checkpoint's step are rewound on --resume)
+            with writes_are_one_line(self.out, f"samples.jsonl and metrics.jsonl lack step "
+                                               f"{m['step']}; {self.kept}"):
+                samples.append(self.samples_path, m["step"], records)
+        if evaluated and self.cfg.save:
+            self.checkpoint(m["step"], keep_est, q_start, m)
+        with writes_are_one_line(self.out, f"metrics.jsonl lacks step {m['step']}'s row; "
+                                           f"{self.kept}"):
             self.metrics_file.write(json.dumps(m) + "\n")
             self.metrics_file.flush()
-            if self.main and records:
-                samples.append(self.samples_path, m["step"], records)
-            if "eval_pass@1" in m and m["step"] > 0 and self.main:
+        with writes_are_one_line(self.out, f"metrics.png or the dashboards miss step {m['step']}, "
+                                           f"whose row metrics.jsonl holds; {self.kept}"):
+            if evaluated and self.main:
                 # The plot is refreshed at every eval, not only at the end.
                 plot_metrics(self.rows, self.out / "metrics.png")
-        self.report.log(m, records)  # --report_to's dashboards
-        if "eval_pass@1" in m and m["step"] > 0:
-            if self.cfg.save:
-                self.checkpoint(m["step"], keep_est, q_start)
-            if self.main:  # after the checkpoint: a resumed run's file is then exactly this one
+            self.report.log(m, records)  # --report_to's dashboards
+        if evaluated and self.main:  # after the checkpoint: a resumed run's file is then this one
+            with writes_are_one_line(self.out, f"samples.jsonl was not thinned; {self.kept}"):
                 samples.thin(self.samples_path)
         self.say(log_line(m) if m["step"] > 0 else
                  "eval step 0: " + " ".join(f"{k}={v:.3f}" for k, v in m.items()
                                             if isinstance(v, float)))
 
-    def checkpoint(self, step: int, keep_est: float, q_start):
+    def checkpoint(self, step: int, keep_est: float, q_start, row: dict):
         # K > 1: the shards gathered onto rank 0
         opt_state = distributed.optimizer_state(self.model, self.opt)
+        # row: the step's metrics row as JSON, which --resume restores if metrics.jsonl lacks it
         state = dict(step=step, keep_est=keep_est, q_start=q_start, opt=opt_state,
                      rng=self.rng.getstate(), gen_cpu=self.gen_cpu.get_state(),
                      world_size=distributed.world_size(), ref=self.ref_model.state_dict()
-                     if self.ref_model is not None else None)
+                     if self.ref_model is not None else None, row=json.dumps(row))
         if self.estimate is not None:  # --alloc adaptive: the per-prompt estimate of Q
             state["estimate"] = self.estimate.state_dict()
         if self.main:
@@ -217,6 +239,9 @@ def start(cfg) -> Run:
     say = tqdm.write if distributed.is_main() else (lambda line: None)
     # The rows logged after that checkpoint are redone.
     rows = read_metrics(Path(cfg.resume), state["step"], say) if ckpt else []
+    if ckpt and state.get("row") and not (rows and rows[-1]["step"] == state["step"]):
+        # Killed between its checkpoint and that step's row: the row the checkpoint holds.
+        rows.append(json.loads(state["row"]))
     # --init_from: the weights (and with --init_optimizer AdamW's moments) come from there.
     init = checkpoint_dir(cfg.init_from) if cfg.init_from else None
     if cfg.init_optimizer and not (init / "trainer_state.pt").is_file():
@@ -232,9 +257,12 @@ def start(cfg) -> Run:
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
     cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
+    # What the measures compare with the first eval, checked before anything is written.
+    first_answers = first_references(cfg, Path(cfg.resume), eval_set, state) if ckpt else None
     out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)
     stop_on_ctrl_c(f"interrupted: {out} keeps its last checkpoint, if it has one "
-                   f"(--resume {out} continues from it)")
+                   f"(--resume {out} continues from it, or from step 0 if none)" if cfg.save else
+                   f"interrupted: {out} holds no checkpoint (--save 0): nothing to continue")
     dtype = compute_dtype(cfg, device)
     say(json.dumps(dataclasses.asdict(cfg), indent=1))
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params "
@@ -248,4 +276,5 @@ def start(cfg) -> Run:
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica
     # samples the rollouts and is what is evaluated and saved. K = 1: the replica is the model.
     model, replica = distributed.shard(model, dtype)
-    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows)
+    return Run(cfg, device, train_set, eval_set, model, replica, tok, out, lock, state, rows,
+               first_answers)

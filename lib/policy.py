@@ -47,6 +47,7 @@ def load_policy(name: str, device, flag="--model"):
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")
     try:
+        check_embedding_shape(Path(name).expanduser(), flag)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
         model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=torch.float32,
                                                      attn_implementation="brorl")
@@ -56,9 +57,49 @@ def load_policy(name: str, device, flag="--model"):
         fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
+    except RuntimeError as e:  # a weight's shape is not its config's (transformers' own check)
+        if "mismatch" not in str(e):
+            raise
+        fail(f"{flag} {name}: its weights' shapes disagree with its config.json")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_tokenizer(tok, model, name, flag)
     return model.to(device), tok
+
+
+def check_embedding_shape(path: Path, flag: str):
+    """A local model's config.json against its weights' embedding (read from the safetensors
+    header alone): a vocab_size or hidden_size that disagrees is one line naming both, before
+    transformers' own report."""
+    config, weights = path / "config.json", path / "model.safetensors"
+    if not (config.is_file() and weights.is_file()):
+        return
+    try:
+        cfg = json.loads(config.read_text())
+        from safetensors import safe_open
+        with safe_open(str(weights), "pt") as f:
+            key = next((k for k in f.keys() if k.endswith("embed_tokens.weight")), None)
+            shape = tuple(f.get_slice(key).get_shape()) if key else None
+    except (OSError, ValueError):  # unreadable: the load names it
+        return
+    want = (cfg.get("vocab_size"), cfg.get("hidden_size"))
+    if shape and None not in want and shape != want:
+        fail(f"{flag} {path}: its config.json says vocab_size {want[0]}, hidden_size {want[1]}; "
+             f"its model.safetensors' {key} is {list(shape)}: not this config's weights")
+
+
+def check_tokenizer(tok, model, name: str, flag: str):
+    """A tokenizer that encodes text to nothing (its tokenizer.json missing beside its
+    tokenizer_config.json), to ids past the model's embedding rows, or has no EOS: one line naming
+    the model, before any prompt is measured."""
+    ids = tok("12 + 345 = 357, yes", add_special_tokens=False)["input_ids"]
+    rows = model.get_input_embeddings().num_embeddings
+    if not ids:
+        fail(f"{flag} {name}: its tokenizer encodes text to no tokens (its tokenizer.json "
+             "missing or empty?)")
+    if max(ids) >= rows or tok.eos_token_id is None or tok.eos_token_id >= rows:
+        fail(f"{flag} {name}: its tokenizer's ids (up to {max(ids)}, EOS {tok.eos_token_id}) do "
+             f"not fit the model's {rows} embedding rows: not this model's tokenizer")
 
 
 def split_revision(name: str) -> tuple:

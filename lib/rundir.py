@@ -2,7 +2,7 @@
 rundir.py: a run's directory, <out>/: made and locked for the run's life (a second run there is
 refused, a crashed one's lock reclaimed), and the files written into it whole or not at all:
 config.json, config_history.jsonl (what a --resume changed), metrics.jsonl (one row per step). A
-full disk or a refused write stops the run with one line saying what is kept.
+full disk or a refused write stops the run with one line naming the file and saying what is kept.
 """
 
 import atexit
@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lib import distributed
-from lib.config import fail, held_run, surviving_checkpoint
+from lib.config import fail, held_line, held_run, surviving_checkpoint
 
 
 class RunLock:
@@ -103,8 +103,7 @@ def make_run_dir(cfg, resume_from=None, fresh=True) -> tuple:
     # A run may have ended there since parse_config looked.
     if fresh and not resume_from and (held := held_run(out)):
         lock.release()
-        fail(f"--out {out} holds a run ({', '.join(held)}): "
-             f"continue it with --resume {out}, or give another --out")
+        fail(held_line(out, held))
     if resume_from:
         if surviving_checkpoint(out) != resume_from:
             lock.release()
@@ -132,10 +131,37 @@ def put_back_checkpoint(out: Path, ckpt: Path, say):
 
 def write_atomic(path: Path, text: str):
     """path holding text, whole or not at all (a crash leaves the old file, never half of the
-    new)."""
+    new; a failed write leaves no temp file)."""
+    replace_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def replace_atomic(path: Path, write):
+    """path replaced whole by what write(tmp) writes into a temp file beside it, renamed over it: a
+    crash leaves the old file, a failed write (a full disk, Ctrl-C) removes the temp file."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if not tmp.is_dir():
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def check_writable(out: Path, files=(), folders=()):
+    """Each of a run's files and folders under out that exists must be of its kind and writable,
+    each folder made if missing: else an OSError naming it (writes_are_one_line makes it a line),
+    raised before the run writes anything."""
+    for name in (*files, *folders):
+        path = out / name
+        if name in files and path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "a directory where a file is written", str(path))
+        if name in folders and path.exists() and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "a file where a folder is written", str(path))
+        if name in folders:
+            path.mkdir(exist_ok=True)
+        if path.exists() and not os.access(path, os.W_OK):  # chattr +i too, even for root
+            raise PermissionError(errno.EACCES, "not writable", str(path))
 
 
 def record_changes(out: Path, step: int, cfg):
@@ -153,7 +179,7 @@ def record_changes(out: Path, step: int, cfg):
         return
     entry = dict(step=step, was={k: before[k] for k in changed if k in before},
                  now={k: now[k] for k in changed}, absent=[k for k in changed if k not in before])
-    with no_space_is_one_line(out, "config_history.jsonl was not written; nothing else changed"):
+    with writes_are_one_line(out, "config_history.jsonl was not written; nothing else changed"):
         with open(out / "config_history.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
 
@@ -213,14 +239,18 @@ def is_disk_full(e: Exception) -> bool:
 
 
 @contextlib.contextmanager
-def no_space_is_one_line(where: Path, what: str):
-    """A full disk while writing into `where` stops the run with one line saying what is kept."""
+def writes_are_one_line(where: Path, what: str):
+    """A write into `where` that fails (a full disk, a refused permission, a read-only file, a name
+    in the way) stops the run with one line naming the file and saying what is kept."""
     try:
         yield
     except Exception as e:
-        if not is_disk_full(e):
+        if not is_io_error(e):
             raise
-        fail(f"no space left on {where}: {what}")
+        if is_disk_full(e):  # (the file, where the error names it)
+            named = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+            fail(f"no space left on {where}{named}: {what}")
+        fail(f"cannot write in {where} ({one_line_reason(e)}): {what}")
 
 
 def one_line_reason(e: Exception) -> str:

@@ -18,12 +18,12 @@ resumed run's file is the uninterrupted run's.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from lib import distributed
 from lib.config import fail
+from lib.rundir import write_atomic
 
 RESPONSE_CHARS = 4000  # a longer response keeps its first 1000 and last 3000 characters
 MAX_STEPS = 64  # steps of each kind kept; default run: 5 evaluations
@@ -104,9 +104,7 @@ def read(path: Path) -> list:
 
 def rewrite(path: Path, records: list):
     """path holding exactly records, replaced whole (a crash leaves the old file or the new one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def rewind(path: Path, upto: int):

@@ -7,6 +7,7 @@ random stream of every evaluation. Also --plan: the memory plan of such a setup,
 
 import dataclasses
 import random
+import re
 import signal
 import sys
 import threading
@@ -20,9 +21,10 @@ from transformers.utils import logging as hf_logging
 import data
 import verify
 from lib import distributed, planner
-from lib.checkpoint import checkpoint_dir
+from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.config import fail, surviving_checkpoint
 from lib.policy import load_policy, split_revision
+from sampler import encode_prompt
 
 
 def setup(cfg, policy: str, flag: str, with_train_set=True):
@@ -44,7 +46,7 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
                 else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
     if cfg.eval_task and train_set:
         check_overlap(cfg, train_set, held_out)
-    if flag == "--model" and (Path(policy) / "metrics.jsonl").is_file():  # a run: its ckpt/, or one
+    if flag == "--model" and is_run_dir(Path(policy)):  # a run: its ckpt/, or one line
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
     if cfg.system_prompt and not tok.chat_template:
@@ -63,11 +65,12 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     if cfg.train_prompts and train_set is not None:  # the eval set's first n: every one measured
         train_set = eval_set[: cfg.train_prompts]
         check_train_size(cfg, train_set)
-    if cfg.probe_prompts > len(eval_set):  # the probe: the eval set's first ones
-        if distributed.is_main():
-            tqdm.write(f"--probe_prompts {cfg.probe_prompts}: the eval set holds {len(eval_set)} "
-                       f"prompt(s); the probe is those {len(eval_set)} (config.json says so)")
-        cfg = dataclasses.replace(cfg, probe_prompts=len(eval_set))
+    for name in ("probe_prompts", "answer_prompts"):  # the probe's, the answer distributions'
+        if getattr(cfg, name) > len(eval_set):  # the eval set's first ones: all, recorded as used
+            if distributed.is_main():
+                tqdm.write(f"--{name} {getattr(cfg, name)}: the eval set holds {len(eval_set)} "
+                           f"prompt(s); it measures those {len(eval_set)} (config.json says so)")
+            cfg = dataclasses.replace(cfg, **{name: len(eval_set)})
     if bad := next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     return cfg, device, train_set, eval_set, model, tok, longest
@@ -146,32 +149,123 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
     A prompt past it stops with one line naming its row (`where`: the flag, source and split) and
     its length; --long_prompts drop drops such rows, allow keeps them (rotary positions extend past
     the config's: the embedded model's 64 and a math prompt), each with a count. The tokenizer's own
-    warning about length is left unsaid: this is the word."""
+    warning about length is left unsaid: this is the word. The lengths are bounded from each row's
+    bytes and measured only where a bound cannot decide (PromptLengths)."""
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        lengths = planner.prompt_lengths(tok, rows, cfg.system_prompt)
+        lengths = PromptLengths(tok, rows, cfg.system_prompt)
+        limit = positions - max_new if positions else None  # the most prompt tokens that fit
+        too_long = lengths.over(limit) if positions else []
+        if too_long and cfg.long_prompts == "refuse":
+            i = too_long[0]
+            fail(f"{where} row {i} ({rows[i]['prompt'][:24]!r}...) is {lengths.tokens(i)} tokens: "
+                 f"+ {max_new} new > the model's {positions} positions, as are "
+                 f"{len(too_long) - 1} more (--long_prompts drop drops them, allow keeps them)")
+        if too_long and distributed.is_main():
+            tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's "
+                       f"{positions} positions with {max_new} new tokens: "
+                       + ("dropped (--long_prompts drop)" if cfg.long_prompts == "drop" else
+                          "kept (--long_prompts allow)"))
+        kept = range(len(rows))
+        if too_long and cfg.long_prompts == "drop":
+            dropped = set(too_long)
+            kept = [i for i in kept if i not in dropped]
+            if not kept:
+                fail(f"{where} every row is longer than the model's {positions} positions "
+                     f"with {max_new} new tokens")
+        return [rows[i] for i in kept], lengths.longest(kept)
     finally:
         hf_logging.set_verbosity(verbosity)
-    too_long = [i for i, n in enumerate(lengths) if positions and n + max_new > positions]
-    if too_long and cfg.long_prompts == "refuse":
-        i = too_long[0]
-        fail(f"{where} row {i} ({rows[i]['prompt'][:24]!r}...) is {lengths[i]} tokens: + {max_new} "
-             f"new > the model's {positions} positions, as are {len(too_long) - 1} more "
-             "(--long_prompts drop drops them, allow keeps them)")
-    if too_long and distributed.is_main():
-        tqdm.write(f"{where} {len(too_long)} of {len(rows)} rows are longer than the model's "
-                   f"{positions} positions with {max_new} new tokens: "
-                   + ("dropped (--long_prompts drop)" if cfg.long_prompts == "drop" else
-                      "kept (--long_prompts allow)"))
-    if too_long and cfg.long_prompts == "drop":
-        dropped = set(too_long)
-        rows = [r for i, r in enumerate(rows) if i not in dropped]
-        lengths = [n for i, n in enumerate(lengths) if i not in dropped]
-        if not rows:
-            fail(f"{where} every row is longer than the model's {positions} positions "
-                 f"with {max_new} new tokens")
-    return rows, max(lengths, default=0)
+
+
+class PromptLengths:
+    """Each row's prompt length in tokens as the sampler encodes it, bounded from its bytes alone
+    (O(rows), no tokenizer call) and measured (planner.prompt_lengths) only where a bound cannot
+    decide. lo <= tokens <= hi, where lo = (the template's bytes + the stripped prompt's) / the
+    most bytes a token covers, rounded up, - slack (0 where the prompt holds a special token's
+    text), and hi = the template's tokens + the prompt's bytes + slack: every token covers at least
+    one byte. The slack, 2, covers merges across a chat template's edges, a template that trims its
+    content and a SentencePiece prefix space; it is 0 for a byte-level tokenizer with no template.
+    Where these bounds may not hold (a slow tokenizer, or a measured row outside its bounds) every
+    row is measured."""
+
+    CHUNK = 256  # rows measured a call, for the longest
+
+    def __init__(self, tok, rows: list, system_prompt: str):
+        self.tok, self.rows, self.system_prompt = tok, rows, system_prompt
+        self.exact = {}  # row index -> its tokens
+        bounds = template_bounds(tok, system_prompt)
+        if bounds is None:
+            self.lo, self.hi = [0] * len(rows), [sys.maxsize] * len(rows)
+            self.measure(range(len(rows)))
+            return
+        template_bytes, template_tokens, per_token, special, slack = bounds
+        nbytes = [len(r["prompt"].encode()) for r in rows]
+        self.hi = [template_tokens + n + slack for n in nbytes]
+        # (a template may trim its content: the bytes of the prompt stripped)
+        self.lo = [0 if special and special.search(r["prompt"]) else
+                   max(0, -(-(template_bytes + len(r["prompt"].strip().encode())) // per_token)
+                       - slack) for r in rows]
+
+    def measure(self, indices):
+        """The exact tokens of these rows; one outside its bounds has every row measured."""
+        todo = [i for i in indices if i not in self.exact]
+        counts = planner.prompt_lengths(self.tok, [self.rows[i] for i in todo],
+                                        self.system_prompt) if todo else []
+        self.exact.update(zip(todo, counts))
+        if any(not self.lo[i] <= self.exact[i] <= self.hi[i] for i in todo):
+            self.lo, self.hi = [0] * len(self.rows), [sys.maxsize] * len(self.rows)
+            self.measure(range(len(self.rows)))  # no bound is trusted now: every row measured
+        for i in todo:
+            self.lo[i] = self.hi[i] = self.exact[i]
+
+    def tokens(self, i: int) -> int:
+        self.measure([i])
+        return self.exact[i]
+
+    def over(self, limit: int) -> list:
+        """The rows of more than `limit` tokens, in order: measured only where lo <= limit < hi."""
+        self.measure([i for i in range(len(self.rows)) if self.lo[i] <= limit < self.hi[i]])
+        return [i for i in range(len(self.rows))
+                if self.exact.get(i, self.lo[i]) > limit]
+
+    def longest(self, kept) -> int:
+        """The most tokens of the rows `kept`: measured from the highest bound down, until no row
+        left can hold more than the longest measured."""
+        order, best = sorted(kept, key=lambda i: -self.hi[i]), 0
+        for start in range(0, len(order), self.CHUNK):
+            chunk = [i for i in order[start: start + self.CHUNK] if self.hi[i] > best]
+            if not chunk:
+                break
+            self.measure(chunk)
+            best = max(best, max(self.exact[i] for i in chunk))
+        return best
+
+
+def template_bounds(tok, system_prompt: str):
+    """What PromptLengths bounds a prompt with: (the bytes outside special tokens and the tokens of
+    the prompt's template around an empty prompt, the most bytes one token covers, a pattern of
+    the special tokens' text or None, the slack); None for a tokenizer that is not a fast one (its
+    vocabulary is not read here)."""
+    if not getattr(tok, "is_fast", False):
+        return None
+    if tok.chat_template:
+        chat = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        chat.append({"role": "user", "content": ""})
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    else:
+        text = ""
+    # A byte-level vocabulary writes one byte a character; any other, UTF-8.
+    byte_level = "ByteLevel" in repr(tok.backend_tokenizer.decoder)
+    added = set(tok.get_added_vocab())
+    per_token = max((len(t) if byte_level else len(t.encode())
+                     for t in tok.get_vocab() if t not in added), default=0)
+    special = re.compile("|".join(map(re.escape, sorted(added)))) if added else None
+    # The template's bytes outside its special tokens (each one token, whatever its length).
+    plain = special.sub("", text) if special else text
+    return (len(plain.encode()), len(encode_prompt(tok, "", system_prompt)), max(per_token, 1),
+            special, 0 if byte_level and not tok.chat_template else 2)
 
 
 def eval_generator(device, seed: int, step: int) -> torch.Generator:
@@ -192,7 +286,7 @@ def plan(cfg) -> list:
     name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
     device = distributed.pick_device(cfg.device)
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
-    if (Path(name) / "metrics.jsonl").is_file():  # a run directory: its checkpoint, or one line
+    if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
         name = str(checkpoint_dir(name, "--model"))
     name, revision = split_revision(name)
     try:
@@ -203,6 +297,13 @@ def plan(cfg) -> list:
     positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
     train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
                                      cfg.max_new_tokens, tok, positions)
+    # The held-out prompts too, as setup() measures them: the run plans for the longest of both.
+    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
+                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
+    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
+    longest = max(longest, fit_context(cfg, held_out, f"{source}: held-out",
+                                       max(cfg.max_new_tokens, cfg.eval_max_new_tokens), tok,
+                                       positions)[1])
     plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
                                              report_only=True, prompt_tokens=longest, **k)
     plan_k()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import data
+from lib.rundir import replace_atomic
 
 
 def step_metrics(stats, t_roll, t_upd, upd) -> dict:
@@ -94,5 +95,7 @@ def plot_metrics(rows, path: Path):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    try:  # whole or not at all, as every file of the run directory
+        replace_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    finally:
+        plt.close(fig)

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, setup
+from lib import checkpoint, config, harness, samples, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -113,6 +114,9 @@ NEW_RUN = [
     (["--model", "{nan_model}"], "holds NaN or inf"),
     (["--memory_gb", "0.00001"], "even one rollout row needs 7.3 MB"),  # not "0.0 GB"
     (["--init_from", "{run}", "--resume", "{run}"], "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
+    # a flag the preset set, not the user: said so
+    (["--preset", "sets", "--task", "keys"], "needs --task sets (an answer space small enough to enumerate) "
+                                             "(--answer_prompts 64 comes from --preset sets)"),
 ]
 if not torch.cuda.is_available():
     NEW_RUN.append((["--device", "cuda"], "--device cuda: no CUDA device is available here"))
@@ -132,6 +136,35 @@ def test_a_bad_flag_is_one_line_and_writes_nothing(tmp_path, capsys, finished, f
     assert not out.exists() and snapshot(finished) == before
 
 
+def no_tokenizer_json(model: Path):
+    (model / "tokenizer.json").unlink()
+
+
+def another_vocab_size(model: Path):
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 5}))
+
+
+@pytest.mark.parametrize("breaking, needle", [
+    (no_tokenizer_json, "its tokenizer encodes text to no tokens (its tokenizer.json missing"),
+    (another_vocab_size, "its config.json says vocab_size 263, hidden_size 128; its "
+                         "model.safetensors' model.embed_tokens.weight is [258, 128]"),
+], ids=["no-tokenizer.json", "vocab_size"])
+@pytest.mark.parametrize("eval_only", [False, True], ids=["train", "--eval_only"])
+def test_a_model_whose_files_disagree_is_one_line_before_any_write(tmp_path, capsys, breaking,
+                                                                   needle, eval_only):
+    """A tokenizer that encodes every prompt to nothing (it would pass the context check and crash
+    in the sampler after the run directory is written), a config.json whose vocab_size is not its
+    weights': one line naming the model, nothing written."""
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(data.EMBEDDED_MODEL_SETS, model)
+    breaking(model)
+    line = one_line(*run_in_process(capsys, "--preset", "sets", *TINY, "--model", str(model),
+                                    "--steps", "1", *["--eval_only"] * eval_only, "--out", str(out)))
+    assert line.startswith(f"error: --model {model}: ") and needle in line, line
+    assert not out.exists()
+
+
 def break_config(run: Path):
     (run / "config.json").write_text('{"lr": 2e-4, "steps"')
 
@@ -149,6 +182,11 @@ ON_A_RUN = [
     (lambda run: (run / "metrics.jsonl").write_text('{"step": 0}\n{"ste\n{"step": 1}\n'), ["--resume", "{run}", "--steps", "3"],
      "metrics.jsonl line 2 is not a metrics row"),
     (lambda run: shutil.rmtree(run / "ckpt"), ["--init_from", "{run}", "--out", "{run}-branch"], "the run holds no ckpt/"),
+    (None, ["--resume", "{run}/ckpt", "--steps", "3"], "--resume {run}/ckpt: a run's checkpoint folder; give the run "
+                                                     "directory: --resume {run}"),
+    (lambda run: shutil.rmtree(run / "ckpt"), ["--out", "{run}", "--steps", "3"],
+     "holds a run (config.json, metrics.jsonl) with no checkpoint to continue (--save 0, or deleted; step 2 was "
+     "evaluated): give another --out, or delete that directory to start it over"),
 ]
 
 
@@ -158,7 +196,7 @@ def test_a_bad_resume_is_one_line_and_leaves_the_run_as_it_was(run, capsys, brea
         breaking(run)
     before = snapshot(run)
     line = one_line(*run_in_process(capsys, *[f.format(run=run) for f in flags], *TINY[:2]))
-    assert needle in line, line
+    assert needle.format(run=run) in line, line
     assert snapshot(run) == before and not Path(f"{run}-branch").exists()
 
 
@@ -249,6 +287,29 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
     assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
 
 
+def test_a_full_disk_at_the_first_checkpoint_says_the_run_starts_over(tmp_path, capsys,
+                                                                      monkeypatch):
+    """ENOSPC as the first checkpoint is written: the line says there is no earlier one and that
+    --resume starts over, which it then does, ending where the uninterrupted run ends."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "2", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    save = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        if Path(path).name == "trainer_state.part":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full)
+    code, err = run_in_process(capsys, *common, "--out", str(b))
+    assert code == 2 and last_line(err) == (
+        f"error: no space left on {b}: the checkpoint of step 1 was not written; there is no "
+        f"earlier one (--resume {b} starts the run over from step 0)")
+    monkeypatch.setattr(torch, "save", save)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(b)]))) == strip(rows_a)
+    assert same_weights(a, b)
+
+
 def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
     """Ctrl-C in the middle of step 2: exit status 130 and one line saying what is kept; the step-1
     checkpoint is whole and --resume continues from it."""
@@ -262,7 +323,7 @@ def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(brorl, "rl_step", interrupted_at_step_2)
     code, err = run_in_process(capsys, "--out", str(out), "--steps", "3", "--eval_every", "1", *TINY)
     assert code == 130 and "Traceback" not in err
-    assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it)"
+    assert last_line(err) == f"interrupted: {out} keeps its last checkpoint, if it has one (--resume {out} continues from it, or from step 0 if none)"
     monkeypatch.setattr(brorl, "rl_step", rl_step)
     assert [r["step"] for r in brorl.train(brorl.parse_config(["--resume", str(out)]))] == [0, 1, 2, 3]
 
@@ -324,6 +385,57 @@ def test_the_tools_check_their_numbers(capsys, main, argv, needle):
     with pytest.raises(SystemExit) as exit_info:
         {"bench": bench.main, "data": data.main, "ablate": ablate.main}[main](argv)
     assert needle in one_line(exit_info.value.code, capsys.readouterr().err)
+
+
+def raw_file(text: str, where: str = "keys/N=16"):
+    def write(raw: Path):
+        (raw / where).mkdir(parents=True)
+        (raw / where / "seed0.jsonl").write_text(text)
+    return write
+
+
+STUDIES = [  # (study, flags, what is in --raw, the one line's needle)
+    ("allocation_study", ["--budget", "0"], None, "--budget 0.0: need a finite number > 0"),
+    ("allocation_study", ["--budget", "-5"], None, "--budget -5.0: need a finite number > 0"),
+    ("allocation_study", ["--budget", "nan"], None, "--budget nan: need a finite number > 0"),
+    ("allocation_study", ["--jobs", "0"], None, "--jobs 0: need >= 1"),
+    ("allocation_study", [], raw_file(""), "seed0.jsonl: empty, not a run's rows"),
+    ("allocation_study", [], raw_file('{"step": 0}\n{"step": 1, "re'),
+     "seed0.jsonl: line 2 is not a metrics row (cut short?)"),
+    ("allocation_study", ["--report"], None, "no raw files of this study to report on"),
+    ("theorem1_study", ["--cap", "nan"], None, "--cap nan: need a finite number > 0"),
+    ("theorem1_study", ["--cap", "0"], None, "--cap 0.0: need a finite number > 0"),
+    ("theorem1_study", ["--steps_iso", "2"], None, "--steps_iso 2: need >= 4"),
+    ("theorem1_study", ["--report"], None, "no raw files of this study to report on"),
+    ("theorem1_study", [], raw_file('{"step": 3}\n'), "starts at step 3, not 0"),
+    ("theorem1_study", ["--raw", "{tmp}/file"], None, "--raw {tmp}/file: cannot make it"),
+    ("theorem1_study", ["--report"], lambda raw: (raw_file('{"step": 0}\n', "nalone/N=16,B=8")(raw),
+                                                  (raw / "report.md").mkdir()),
+     "--raw {tmp}/raw: {tmp}/raw/report.md is not a writable file"),
+    ("allocation_study", ["--report"], raw_file('{"step": 0}\n'),
+     "keys/N=16/seed0.jsonl holds no row with the exact Q (mass_exact_mean): not a run of this study"),
+]
+
+
+@pytest.mark.parametrize("study, flags, raw, needle", STUDIES,
+                         ids=lambda x: " ".join(x) if isinstance(x, list) else None)
+def test_the_studies_check_their_flags_and_raw_files_before_any_run(tmp_path, capsys, monkeypatch,
+                                                                    study, flags, raw, needle):
+    """A budget or cap that is not a finite number > 0, a raw file that is not a whole run's rows,
+    a report over nothing: one line, before any run starts."""
+    from tools import ablate, allocation_study, theorem1_study
+    monkeypatch.setattr(ablate, "run_to_raw", lambda *a: pytest.fail("a run started"))
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "file").write_text("")
+    if raw:
+        raw(tmp_path / "raw")
+    main = dict(allocation_study=allocation_study.main, theorem1_study=theorem1_study.main)[study]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "out"),
+              *[f.format(tmp=tmp_path) for f in flags]])
+    line = one_line(exit_info.value.code, capsys.readouterr().err)
+    assert needle.format(tmp=tmp_path) in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 # ----------------------------------------------------------------------------
@@ -412,6 +524,37 @@ def test_a_prompt_past_the_context_is_one_line_or_dropped_with_a_count(tmp_path,
     assert "dropped (--long_prompts drop)" in said and [r["step"] for r in rows] == [0, 1]
 
 
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<|pad|>{{ m['content'] | trim }}"
+                                      "\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"],
+                         ids=["plain", "chat template"])
+def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(template):
+    """The context check bounds each prompt's tokens from its bytes and measures only the rows a
+    bound cannot decide: the rows past the context and the longest prompt are those of every row
+    measured, on short, long, non-ASCII and special-token rows, with and without a chat template."""
+    from transformers import AutoTokenizer
+    from lib import planner
+    tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
+    tok.chat_template = template
+    gen = torch.Generator().manual_seed(0)
+    words = ["7+8=", "ünïcode ", " x", "∑ 12 ", "  ", "\n"]
+    rows = [dict(prompt="".join(words[i] for i in torch.randint(len(words), (int(n),), generator=gen)))
+            for n in torch.randint(1, 40, (600,), generator=gen)]
+    for r in rows[::10]:  # a special token's text is one token
+        r["prompt"] += "<|endoftext|>" * 3
+    exact = planner.prompt_lengths(tok, rows)
+    lengths = setup.PromptLengths(tok, rows, "")
+    assert all(lo <= n <= hi for lo, n, hi in zip(lengths.lo, exact, lengths.hi))  # the bounds
+    for limit in (0, 20, 50, 90, 400):
+        assert lengths.over(limit) == [i for i, n in enumerate(exact) if n > limit]
+    assert lengths.longest(range(len(rows))) == max(exact)
+    kept = [i for i in range(len(rows)) if exact[i] <= 50]
+    assert lengths.longest(kept) == max(exact[i] for i in kept)
+    if template is None:  # a byte-level vocabulary and no template: most rows never tokenized
+        fresh = setup.PromptLengths(tok, rows, "")
+        fresh.over(50), fresh.longest(range(len(rows)))
+        assert len(fresh.exact) < len(rows) // 2, len(fresh.exact)
+
+
 def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     from transformers import AutoConfig, AutoTokenizer
     from lib import planner
@@ -421,6 +564,23 @@ def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     planner.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
                         report_only=True)
     assert "prompts up to 300 tokens" in capsys.readouterr().out
+
+
+def test_plan_measures_the_held_out_prompts_as_the_run_does(tmp_path, capsys):
+    """--plan plans for the longest prompt of the training and the held-out sets, as the run
+    does: a long held-out row counts."""
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps(dict(question=q, answer="#### 1")) + "\n"
+                            for q in ("1+0=", "2" * 3000 + "+1=")))
+    flags = ["--task", gsm8k_set(tmp_path / "train.jsonl", 8), "--eval_task", f"gsm8k:{held}",
+             "--long_prompts", "allow", "--memory_gb", "8"]
+    setup.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
+    planned = capsys.readouterr().out
+    brorl.train(brorl.parse_config([*TINY, *flags, "--steps", "0", "--out", str(tmp_path / "r")]))
+    run = capsys.readouterr().out
+    tokens = lambda out: next(line.split("prompts up to ")[1].split(" tokens")[0]
+                              for line in out.splitlines() if "prompts up to " in line)
+    assert int(tokens(planned)) > 3000 // 8 and tokens(planned) == tokens(run)
 
 
 def drop_field(name: str):
@@ -449,8 +609,8 @@ def test_a_field_older_runs_lack_is_said_and_recorded(run, capsys):
     drop_field("tis_cap")(run)
     brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3"]))
     said = capsys.readouterr().out.splitlines()
-    assert said[0] == (f"--resume {run}: its config.json lacks --tis_cap (taken as 0.0); recorded "
-                       "in config_history.jsonl")
+    assert said[0] == (f"--resume {run}: its config.json lacks --tis_cap (taken as 0.0); "
+                       "config_history.jsonl records it as the run starts")
     history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
     assert history == [dict(step=2, was={"steps": 2}, now={"steps": 3, "tis_cap": 0.0},
                             absent=["tis_cap"])]
@@ -461,7 +621,7 @@ def test_a_flag_that_changes_a_resumed_run_is_said_and_kept(run, capsys):
     brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3", "--n_rollouts", "8"]))
     said = capsys.readouterr().out.splitlines()
     assert said[0] == (f"--resume {run}: --n_rollouts 16 -> 8, --steps 2 -> 3 from its checkpoint "
-                       "on (recorded in config_history.jsonl)")
+                       "on (config_history.jsonl records it as the run starts)")
     history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
     assert history == [dict(step=2, was={"n_rollouts": 16, "steps": 2},
                             now={"n_rollouts": 8, "steps": 3}, absent=[])]
@@ -507,9 +667,17 @@ def test_every_failure_of_a_checkpoint_is_one_line_and_keeps_the_last(run, capsy
     assert (run / "ckpt.old").is_file() == (how == "ckpt.old")
 
 
+@pytest.mark.parametrize("left", ["all but ckpt/", "config.json alone"])
 @pytest.mark.parametrize("eval_only", [False, True], ids=["train", "--eval_only"])
-def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, capsys, eval_only):
+def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, capsys, eval_only,
+                                                                 left):
+    """A run directory without its checkpoint (even one holding only the run's config.json, which
+    is not a model's) as --model: one line, nothing written."""
     shutil.rmtree(run / "ckpt")
+    if left == "config.json alone":
+        for path in run.iterdir():
+            if path.name != "config.json":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     out = tmp_path / "new"
     line = one_line(*run_in_process(capsys, "--model", str(run), *["--eval_only"] * eval_only,
                                     "--out", str(out), *TINY))
@@ -546,13 +714,245 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path,
         assert len((run / "samples.jsonl").read_text()) == len((a / "samples.jsonl").read_text())
 
 
+def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(tmp_path):
+    """SIGKILL the moment metrics.jsonl shows step 1 evaluated (a real kill, in another process):
+    the row lands after its checkpoint, so --resume continues from step 1 and ends where the
+    uninterrupted run ends, row for row, time aside, and samples.jsonl byte for byte."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([sys.executable, str(HERE / "brorl.py"), *common, "--out", str(b)],
+                         cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def evaluated_step_1() -> bool:
+        try:
+            lines = (b / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return False
+        return any(line.endswith("}") and json.loads(line)["step"] == 1 for line in lines)
+    while p.poll() is None and not evaluated_step_1():
+        time.sleep(0.002)
+    p.kill()
+    assert p.wait() == -signal.SIGKILL, "the run ended before the kill"
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b)]))
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
+    assert strip(json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()) \
+        == strip(rows_a)
+    assert (b / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+
+
+def test_a_kill_between_a_checkpoint_and_its_row_takes_the_row_from_the_checkpoint(tmp_path,
+                                                                                   monkeypatch):
+    """Stopped right after the step-2 checkpoint was saved, before its row was written: --resume
+    takes the row from the checkpoint and ends where the uninterrupted run ends."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "2", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    save = harness.save_atomic
+
+    def crash_after_the_save(model, tok, cfg, state, path):
+        save(model, tok, cfg, state, path)
+        raise Crash
+    monkeypatch.setattr(harness, "save_atomic", crash_after_the_save)
+    with pytest.raises(Crash):
+        brorl.train(brorl.parse_config([*common, "--out", str(b)]))
+    monkeypatch.setattr(harness, "save_atomic", save)
+    assert [json.loads(x)["step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    rows_b = brorl.train(brorl.parse_config(["--resume", str(b)]))
+    assert strip(rows_b) == strip(rows_a) and same_weights(a, b)
+
+
+SETS = ["--preset", "sets", "--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "8",
+        "--eval_samples", "2", "--answer_prompts", "4", "--probe_prompts", "2", "--probe_samples", "4",
+        "--eval_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def sets_run(tmp_path_factory) -> Path:
+    """A finished 1-step sets run whose evals saved their answer distributions."""
+    run = tmp_path_factory.mktemp("sets") / "run"
+    brorl.train(brorl.parse_config([*SETS, "--steps", "1", "--out", str(run)]))
+    return run
+
+
+def no_probe_reference(run: Path):
+    path = run / "ckpt" / "trainer_state.pt"
+    torch.save({**torch.load(path, weights_only=True), "q_start": None}, path)
+
+
+FIRST = "answers/step-000000.pt"
+LOST_REFERENCE = [  # (how the run is broken, what the one line says)
+    (lambda run: (run / FIRST).unlink(), f"{FIRST} is missing; it is the first eval's answer"),
+    (lambda run: cut(run / FIRST), f"{FIRST} is unreadable"),
+    (lambda run: torch.save({"prompts": [], "logp": torch.zeros(1, 900)}, run / FIRST),
+     f"{FIRST} is not the distribution of this run's --answer_prompts prompts"),
+    (no_probe_reference, "its checkpoint's step-0 probe Q (trainer_state.pt's q_start) is missing"),
+]
+
+
+@pytest.mark.parametrize("breaking, needle", LOST_REFERENCE, ids=["gone", "cut", "other", "probe"])
+def test_resume_refuses_a_lost_reference_of_the_first_eval(sets_run, tmp_path, capsys, breaking,
+                                                           needle):
+    """A measure against the first eval (the answer distributions, the probe's Q) whose reference
+    is gone would compare with the current eval in silence: --resume is one line, before any
+    write."""
+    run = tmp_path / "run"
+    shutil.copytree(sets_run, run)
+    breaking(run)
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "2"))
+    assert line.startswith(f"error: --resume {run}: ") and needle in line, line
+    assert snapshot(run) == before
+
+
+IN_THE_WAY = [  # (what is in the way, the one line's reason)
+    (lambda run: (run / "config_history.jsonl").mkdir(),
+     "a directory where a file is written: {run}/config_history.jsonl"),
+    (lambda run: (run / "metrics.png").unlink() or (run / "metrics.png").mkdir(),
+     "a directory where a file is written: {run}/metrics.png"),
+    ("answers", "not writable: {run}/answers"),  # chattr +i, or a read-only folder
+    ("samples.jsonl", "not writable: {run}/samples.jsonl"),
+]
+
+
+@pytest.mark.parametrize("breaking, reason", IN_THE_WAY,
+                         ids=["history-dir", "plot-dir", "answers-ro", "samples-ro"])
+def test_a_file_the_run_cannot_write_is_one_line_before_any_write(sets_run, tmp_path, capsys,
+                                                                  monkeypatch, breaking, reason):
+    """A file or folder of the run that cannot be written (a name in the way, immutable, read-only)
+    is named in one line before anything is written; the run directory is left byte for byte."""
+    run = tmp_path / "run"
+    shutil.copytree(sets_run, run)
+    if isinstance(breaking, str):
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: Path(p).name != breaking
+                            and access(p, mode))
+    else:
+        breaking(run)
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "2"))
+    assert line == (f"error: cannot write in {run} ({reason.format(run=run)}): the run did not start; "
+                    "nothing was written"), line
+    assert {k: v for k, v in snapshot(run).items() if k != ".lock"} == before  # (held till exit)
+
+
+def test_a_file_named_as_the_answers_folder_is_one_line_before_any_write(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "answers").write_text("")
+    line = one_line(*run_in_process(capsys, *SETS, "--steps", "1", "--out", str(out)))
+    assert line == (f"error: cannot write in {out} (a file where a folder is written: "
+                    f"{out}/answers): the run did not start; nothing was written"), line
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "answers"]  # (the lock: till exit)
+
+
+def test_a_full_disk_while_writing_answers_is_one_line_and_leaves_no_temp(sets_run, tmp_path,
+                                                                          capsys, monkeypatch):
+    """The disk fills while answers/step-000002.pt is written (torch's zip writer): one line naming
+    the file, no temp file left, and --resume then finishes as the uninterrupted run."""
+    a, run = tmp_path / "a", tmp_path / "run"
+    rows_a = brorl.train(brorl.parse_config([*SETS, "--steps", "2", "--out", str(a)]))
+    shutil.copytree(sets_run, run)
+    save = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        if str(path).endswith("step-000002.pt.tmp"):
+            Path(path).write_bytes(b"PK" * 700)
+            raise RuntimeError("[enforce fail at inline_container.cc:595] . unexpected pos 1472 vs 1366")
+        return save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "2")
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {run}: answers/step-000002.pt and step 2's "
+                              f"row were not written; --resume {run} continues from its last "
+                              "checkpoint, or from step 0 if none")
+    assert not list(run.rglob("*.tmp")) and not (run / "answers" / "step-000002.pt").exists()
+    monkeypatch.setattr(torch, "save", save)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(run)]))) == strip(rows_a)
+    assert (run / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+
+
+def test_a_full_disk_while_appending_samples_is_one_line_and_resumes_exactly(tmp_path, capsys,
+                                                                            monkeypatch):
+    """The disk fills as step 2's samples are appended (before its checkpoint): one line naming
+    the files, and --resume redoes step 2 from step 1's checkpoint to the uninterrupted run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["--steps", "3", "--eval_every", "1", *TINY]
+    rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
+    append = samples.append
+
+    def full(path, step, records):
+        if step == 2:
+            with open(path, "a") as f:
+                f.write('{"step": 2, "kind": "ev')  # cut short, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append(path, step, records)
+    monkeypatch.setattr(samples, "append", full)
+    code, err = run_in_process(capsys, *common, "--out", str(b))
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {b}: samples.jsonl and metrics.jsonl lack "
+                              f"step 2; --resume {b} continues from its last checkpoint, or from "
+                              "step 0 if none")
+    monkeypatch.setattr(samples, "append", append)
+    assert strip(brorl.train(brorl.parse_config(["--resume", str(b)]))) == strip(rows_a)
+    assert (b / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
+    assert same_weights(a, b) and not list(b.rglob("*.tmp"))
+
+
+def test_a_full_disk_while_writing_the_plot_keeps_the_row(run, capsys, monkeypatch):
+    """The disk fills as metrics.png is drawn: one line naming it, the row of the step kept in
+    metrics.jsonl, no temp file, and the old plot whole."""
+    before = (run / "metrics.png").read_bytes()
+    import matplotlib.figure
+
+    def full(self, path, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "4")
+    assert code == 2 and "Traceback" not in err
+    assert last_line(err) == (f"error: no space left on {run}: metrics.png or the dashboards miss "
+                              f"step 4, whose row metrics.jsonl holds; --resume {run} continues "
+                              "from its last checkpoint, or from step 0 if none")
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    assert (run / "metrics.png").read_bytes() == before and not list(run.rglob("*.tmp"))
+
+
 def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",
                                     "--steps", "1", "--out", str(out)]))
-    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); the probe is those 1 "
+    assert ("--probe_prompts 16: the eval set holds 1 prompt(s); it measures those 1 "
             "(config.json says so)") in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["probe_prompts"] == 1
+
+
+def test_the_answer_prompts_are_said_and_recorded_as_used(tmp_path, capsys):
+    """--answer_prompts past the eval set measures the eval set: said, and config.json records the
+    number measured, as each row holds."""
+    out = tmp_path / "run"
+    rows = brorl.train(brorl.parse_config([*SETS, "--answer_prompts", "1000", "--eval_prompts", "3",
+                                           "--steps", "1", "--out", str(out)]))
+    assert ("--answer_prompts 1000: the eval set holds 3 prompt(s); it measures those 3 "
+            "(config.json says so)") in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["answer_prompts"] == 3
+    assert len(rows[-1]["answers_log10_q_per_prompt"]) == 3
+
+
+@pytest.mark.parametrize("flags", [["--rollout_budget", "64"], ["--min_rollouts", "8"],
+                                   ["--max_rollouts", "64"], ["--alloc_decay", "0.5"]],
+                         ids=lambda x: x[0])
+def test_an_allocation_flag_without_adaptive_is_one_line(tmp_path, capsys, flags):
+    """Flags read only by --alloc adaptive, typed under --alloc uniform, would change nothing: one
+    line naming the flag that makes them count; a preset's values are never refused."""
+    out = tmp_path / "run"
+    line = one_line(*run_in_process(capsys, *TINY, *flags, "--steps", "1", "--out", str(out)))
+    assert line.endswith(f"error: {flags[0]} {flags[1]}: counts only with --alloc adaptive "
+                         "(this run's --alloc is uniform); drop it, or add --alloc adaptive"), line
+    assert not out.exists()
+    presets = {"x": dict(min_rollouts=8, alloc_decay=0.5)}
+    assert config.parse_config(brorl.Config, "", ["--preset", "x"], presets).min_rollouts == 8
 
 
 def test_ablate_escapes_a_comma_and_keeps_another_grids_summary(tmp_path, capsys):

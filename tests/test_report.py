@@ -36,7 +36,7 @@ class Killed(Exception):
 
 
 def kill_at_checkpoint(monkeypatch, at: int):
-    """The run dies at step `at`'s checkpoint: that step's rows and records written, its checkpoint not."""
+    """The run dies at step `at`'s checkpoint: that step's records written, its checkpoint and eval row not."""
     checkpoint = harness.Run.checkpoint
 
     def killed(self, step, *args):

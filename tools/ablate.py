@@ -65,6 +65,8 @@ from pathlib import Path
 import brorl
 from lib import config as config_lib
 from lib import mass
+from lib.config import fail
+from lib.rundir import metrics_row
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
@@ -263,13 +265,56 @@ def run_to_raw(argv: list, run_dir: Path, raw_file: Path, log_file: Path) -> int
 
 
 def read_raw(raw: Path) -> dict:
-    """A study's raw files <raw>/<a>/<b>/seed<S>.jsonl as {a: {b: {S: rows}}}."""
+    """A study's raw files <raw>/<a>/<b>/seed<S>.jsonl as {a: {b: {S: rows}}}. A file that is not
+    a whole run's rows (unreadable, empty, a line cut short, not from step 0) stops with one line
+    naming it: read before any run, so that a study never counts it as done, nor reports on it."""
     out = {}
     for path in sorted(raw.glob("*/*/seed*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         out.setdefault(path.parent.parent.name, {}).setdefault(path.parent.name, {})[
-            int(path.stem[4:])] = rows
+            raw_seed(path)] = raw_rows(path)
     return out
+
+
+def raw_seed(path: Path) -> int:
+    """The seed a raw file's name holds, or one line."""
+    if not path.stem[4:].isdigit():
+        fail(f"{path}: not a raw file's name (seed<S>.jsonl, S a number)")
+    return int(path.stem[4:])
+
+
+def raw_rows(path: Path) -> list:
+    """A raw file's rows, or one line naming what is wrong with it."""
+    redo = "delete it and the study runs that run again"
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})")
+    rows = [metrics_row(line) for line in lines if line.strip()]
+    if not rows:
+        fail(f"{path}: empty, not a run's rows; {redo}")
+    if None in rows:
+        fail(f"{path}: line {rows.index(None) + 1} is not a metrics row (cut short?); {redo}")
+    if rows[0]["step"] != 0:
+        fail(f"{path}: starts at step {rows[0]['step']}, not 0 (not a whole run); {redo}")
+    return rows
+
+
+def writable_dir(flag: str, path: Path, files=()):
+    """A study's output folder, made if missing, and the files it rewrites there: one that cannot
+    be written is one line, before any run."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"{flag} {path}: cannot make it ({e.strerror})")
+    for p in (path, *(path / f for f in files)):
+        if p.exists() and (not os.access(p, os.W_OK) or (p != path and p.is_dir())):
+            fail(f"{flag} {path}: {p} is not a writable {'folder' if p == path else 'file'}")
+
+
+def finite_positive(flag: str, value: float):
+    """A study's budget or cap: a finite number above 0, else one line."""
+    if not (math.isfinite(value) and value > 0):
+        fail(f"{flag} {value}: need a finite number > 0")
 
 
 def run_summary(rows: list[dict], clock: str, gate: tuple = (16, 512)) -> dict:

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib import mass
+from lib.config import fail
 from tools import ablate
 from tools.theorem1_study import mann_whitney, welch
 
@@ -103,9 +104,20 @@ def measures(rows: list, arm: str) -> dict:
 
 
 def read(raw: Path) -> dict:
-    """{task: {arm: {seed: measures}}} from the raw files."""
-    return {task: {arm: {seed: measures(rows, arm) for seed, rows in runs.items()}
-                   for arm, runs in arms.items()} for task, arms in ablate.read_raw(raw).items()}
+    """{task: {arm: {seed: measures}}} from the raw files; none: one line."""
+    runs = {task: {arm: seeds for arm, seeds in arms.items() if arm in ARMS}
+            for task, arms in ablate.read_raw(raw).items() if task in TASKS}
+    if not any(runs.values()):
+        fail(f"--raw {raw}: no raw files of this study to report on "
+             "(<raw>/<task>/<arm>/seed<S>.jsonl); run it first")
+    for task, arms in runs.items():
+        for arm, seeds in arms.items():
+            for seed, rows in seeds.items():
+                if not any("mass_exact_mean" in r for r in rows):
+                    fail(f"--raw {raw}: {task}/{arm}/seed{seed}.jsonl holds no row with the "
+                         "exact Q (mass_exact_mean): not a run of this study")
+    return {task: {arm: {seed: measures(rows, arm) for seed, rows in seeds.items()}
+                   for arm, seeds in arms.items()} for task, arms in runs.items()}
 
 
 KEYS = ["steps", "rollouts", "cpu_s", "dQ", "dQ_per_1k", "dQ_per_cpu_s", "gate_lifted",
@@ -182,7 +194,18 @@ def main(argv=None):
     p.add_argument("--report", action="store_true", help="tables and figure from the raw files")
     args = p.parse_args(argv)
     raw = Path(args.raw)
+    # Every flag and every raw file already there checked before any run.
+    ablate.finite_positive("--budget", args.budget)  # 0 would be no budget: 100,000 steps
+    if args.jobs < 1:
+        fail(f"--jobs {args.jobs}: need >= 1")
+    if bad := [s for s in args.seeds if s < 0]:
+        fail(f"--seeds: {bad[0]}: need seeds >= 0")
+    if args.report:  # over raw files that exist, into --raw
+        read(raw)
+    ablate.writable_dir("--raw", raw, files=("report.md", "figure.png"))
     if not args.report:
+        ablate.writable_dir("--out", Path(args.out))
+        ablate.read_raw(raw)
         # seed by seed, every arm of a seed before the next seed: a study cut short stays balanced
         todo = [(t, a, s) for s in args.seeds for t in args.tasks for a in ARMS]
         with ThreadPoolExecutor(args.jobs) as pool:

@@ -36,6 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from lib.config import fail
 from tools import ablate
 
 HERE = Path(__file__).resolve().parent.parent
@@ -125,8 +126,12 @@ def t_p(t: float, df: float) -> float:
 
 
 def read(raw: Path) -> dict:
-    """{sweep: {config: {seed: rows}}} from the raw files."""
-    return ablate.read_raw(raw)
+    """{sweep: {config: {seed: rows}}} from the raw files; none of this study's: one line."""
+    data = {sweep: configs for sweep, configs in ablate.read_raw(raw).items() if sweep in SWEEPS}
+    if not data:
+        fail(f"--raw {raw}: no raw files of this study to report on "
+             "(<raw>/<sweep>/<config>/seed<S>.jsonl); run it first")
+    return data
 
 
 def sets_measures(rows: list, n: int, b: int, prompts: int = 256) -> dict:
@@ -384,14 +389,23 @@ def main(argv=None):
                     help="tables and figure from --raw; run nothing")
     args = ap.parse_args(argv)
     raw = Path(args.raw)
-    if args.report:
+    # Every flag and every raw file already there checked before any run.
+    steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2,
+                 prorl=args.steps_prorl)
+    if small := [k for k in steps if steps[k] < 4 and k in args.only]:
+        fail(f"--steps_{small[0]} {steps[small[0]]}: need >= 4 (an eval every quarter)")
+    ablate.finite_positive("--cap", args.cap)
+    if bad := [s for s in args.seeds if s < 0]:
+        fail(f"--seeds: {bad[0]}: need seeds >= 0")
+    if args.report:  # over raw files that exist, into --raw
+        read(raw)
+        ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
         print(report(raw))
         figure(raw)
         return
-    steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2,
-                 prorl=args.steps_prorl)
-    if min(steps.values()) < 4 or args.cap <= 0:
-        ap.error("need steps >= 4 (an eval every quarter) and --cap > 0")
+    ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
+    ablate.writable_dir("--out", Path(args.out))
+    ablate.read_raw(raw)
     out, failed = Path(args.out), 0
     for seed in args.seeds:
         for sweep in args.only:

@@ -120,12 +120,14 @@ def test_top_p_samples_only_from_the_nucleus():
 
 def test_chunks_of_one_n_are_whole_groups_and_parts():
     """chunk_rows: with one n for all, max_rows // n whole groups a chunk, or a group of more than
-    max_rows rows split into parts of max_rows; groups of unequal n packed in order while they fit."""
-    assert sampler.chunk_rows([3] * 5, 7) == [{0: (0, 3), 1: (0, 3)}, {2: (0, 3), 3: (0, 3)}, {4: (0, 3)}]
-    assert sampler.chunk_rows([5] * 2, 2) == [{0: (0, 2)}, {0: (2, 4)}, {0: (4, 5)}, {1: (0, 2)}, {1: (2, 4)},
-                                              {1: (4, 5)}]
-    assert sampler.chunk_rows([3, 1, 5, 2, 2], 4) == [{0: (0, 3), 1: (0, 1)}, {2: (0, 4)}, {2: (4, 5)},
-                                                      {3: (0, 2), 4: (0, 2)}]
+    max_rows rows split into parts of max_rows; groups of unequal n packed in order while they
+    fit."""
+    assert sampler.chunk_rows([3] * 5, 7) == [{0: (0, 3), 1: (0, 3)}, {2: (0, 3), 3: (0, 3)},
+                                              {4: (0, 3)}]
+    assert sampler.chunk_rows([5] * 2, 2) == [{0: (0, 2)}, {0: (2, 4)}, {0: (4, 5)},
+                                              {1: (0, 2)}, {1: (2, 4)}, {1: (4, 5)}]
+    assert sampler.chunk_rows([3, 1, 5, 2, 2], 4) == [{0: (0, 3), 1: (0, 1)}, {2: (0, 4)},
+                                                      {2: (4, 5)}, {3: (0, 2), 4: (0, 2)}]
 
 
 def calls_per_n(model, tok, prompts, sizes, seeds, max_rows) -> list:

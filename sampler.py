@@ -314,6 +314,33 @@ def pick_tokens(logits, temperature: float, top_p: float, u):
     return (j * DRAW_BLOCK + search_cdf(inner, y)).squeeze(-1)  # (R,)
 
 
+def prefill(model, prompt_ids) -> tuple:
+    """Each prompt run once, alone (no padding inside it): per layer its keys and values (B, Hkv,
+    P, D), right-padded to the longest prompt P; the logits of each prompt's last token (B, V);
+    the prompts' lengths (B,); and the compute dtype (autocast's when it is on, what the layers'
+    values come out in; else the weights')."""
+    dev, cache_kw = model.device, cache_kwarg(model)
+    per_layer, first_logits = None, []
+    for ids in prompt_ids:
+        cache = DynamicCache(config=model.config)
+        out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
+        first_logits.append(out.logits[0, -1])  # (V,)
+        # Per layer (1, Hkv, P_b, D).
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        per_layer = ([[x] for x in kv] if per_layer is None
+                     else [p + [x] for p, x in zip(per_layer, kv)])
+    P = max(len(ids) for ids in prompt_ids)
+    pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
+    # Per layer (B, Hkv, P, D).
+    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]),
+                  torch.cat([pad_to(v) for _, v in layer]))
+                 for layer in per_layer]
+    prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
+    dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
+             else model.dtype)
+    return prefix_kv, torch.stack(first_logits), prompt_len, dtype  # ..., (B, V), (B,), dtype
+
+
 @torch.no_grad()
 def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, top_p, eos_id,
                          pad_id):
@@ -332,27 +359,7 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
                                      dtype=torch.float64)[:, lo:hi]
                           for g, (n_b, lo, hi) in zip(gens, parts)], 1)
 
-    # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
-    per_layer, first_logits = None, []
-    for ids in prompt_ids:
-        cache = DynamicCache(config=model.config)
-        out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
-        first_logits.append(out.logits[0, -1])  # (V,)
-        # Per layer (1, Hkv, P_b, D).
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
-        per_layer = ([[x] for x in kv] if per_layer is None
-                     else [p + [x] for p, x in zip(per_layer, kv)])
-    P = max(len(ids) for ids in prompt_ids)
-    pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
-    # Per layer (B, Hkv, P, D).
-    prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]),
-                  torch.cat([pad_to(v) for _, v in layer]))
-                 for layer in per_layer]
-    prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
-    # The compute dtype is autocast's when it is on (what the layers' values come out in), else
-    # the weights'.
-    dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
-             else model.dtype)
+    prefix_kv, first_logits, prompt_len, dtype = prefill(model, prompt_ids)
     cache = SharedPrefixCache(prefix_kv, prompt_len, counts, dtype)
     masks = {t: cache
              for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
@@ -367,8 +374,7 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
     # (r, 1) the position of each row's first new token.
     row_start = prompt_len.repeat_interleave(counts)[:, None]
-    # (r, V), each row its prompt's first logits.
-    logits = torch.stack(first_logits).repeat_interleave(counts, 0)
+    logits = first_logits.repeat_interleave(counts, 0)  # (r, V), each row its prompt's first
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
         if temperature and t % DRAWS_AHEAD == 0:

@@ -20,6 +20,9 @@ Parts:
   gpu      (CUDA) the same three parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
+  compiled the sampler's decode step compiled (lib/static_decode.py: a static cache and rows,
+           torch.compile) against the eager sampler and generate, at (512, 16, 32), at 1 and 2
+           threads, the compile timed and also counted in a rate (not part of "all").
   lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
            (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
            against merged into the weights (peft's merge_adapter), and without an adapter;
@@ -39,6 +42,8 @@ Commands:
   python -m tools.bench --part gpu         # on a CUDA machine
   python -m tools.bench --part all --tiny  # every CPU part at toy sizes (seconds)
   python -m tools.bench --part lora        # LoRA decoding, merged or not
+  python -m tools.bench --part compiled    # the compiled decode step vs eager vs generate, 1 and 2
+                                           # threads (compiling takes a minute or two)
   python -m tools.bench --save DIR         # write the bench model, tokenizer, prompts.json
   bash tools/bench_trl.sh                  # TRL GRPOTrainer on the same model, in its own venv
   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python  # TRL interleaved with ours
@@ -82,9 +87,10 @@ SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens
 # Every part's sizes, full and --tiny: sampler cases; varlen (N, prompt, new); step N values and new
 # tokens; breadth N values, samples per step, prompt, new; the rows of the matmul floor's product
 # (between a decode step's 512 rows and an update micro-batch's 64 rows x 32 tokens)
-SIZES = {"full": dict(sampler=SAMPLER_CASES, varlen=(512, 64, 128), step_ns=[64, 512], step_new=32,
+SIZES = {"full": dict(sampler=SAMPLER_CASES, compiled=[(512, 16, 32)], varlen=(512, 64, 128), step_ns=[64, 512],
+                      step_new=32,
                       breadth_ns=[16, 64, 256, 512], breadth=(2048, 256, 128), floor_rows=1024),
-         "tiny": dict(sampler=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
+         "tiny": dict(sampler=[(8, 4, 4)], compiled=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
                       breadth_ns=[2, 4], breadth=(8, 8, 4), floor_rows=64)}
 
 
@@ -199,7 +205,7 @@ def random_prompt(length: int, seed: int) -> list:
 
 
 def run_ours(model, ids, n, new, pad_id):
-    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], n, (0, n), new, 1.0, 1.0, -1, pad_id)[:2]
+    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], [(n, 0, n)], new, 1.0, 1.0, -1, pad_id)[:2]
     assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
     return tokens
 
@@ -227,7 +233,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
     ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
     ids = random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
-    a = sampler.generate_group_chunk(ours, [ids], [0], 1, (0, 1), 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
+    a = sampler.generate_group_chunk(ours, [ids], [0], [(1, 0, 1)], 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
@@ -252,6 +258,43 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
         results.append(dict(n=n, prompt=p, new=new, **{f"{k}_tok_s": v for k, v in tps.items()},
                             ratio=ratio, **{f"{k}_floor": v for k, v in share.items()}))
     return results
+
+
+def bench_compiled(path, device, dtype, cases, repeats, tok, params, threads, floor_shape):
+    """The sampler's decode loop three ways, side by side at each thread count: compiled
+    (lib/static_decode.py: static cache and rows, torch.compile'd step), eager (the sampler,
+    generate_group_chunk), and generate. Tokens/s, median of interleaved repeats; the compile is
+    the first compiled call (its time printed, and a rate with it counted once over the repeats);
+    each thread count's own matmul floor."""
+    from lib import static_decode
+    ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
+    ids = random_prompt(24, seed=0)
+    run_static = lambda ids, n, new: static_decode.decode_chunk(ours, [ids], [0], n, new, 1.0,
+                                                                1.0, -1, tok.pad_token_id)[0]
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        floor = matmul_floor(device, dtype, *floor_shape)
+        print(f"\n== compiled decode step, {n_threads} thread(s), median of {repeats}; matmul "
+              f"floor {floor:.1f} GFLOP/s")
+        print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'compiled':>8} {'eager':>7} {'generate':>8} "
+              f"tok/s | {'c/eager':>7} {'c/gen':>6} | compile s | c incl. compile | floor: c, "
+              f"eager, generate")
+        for n, p, new in cases:
+            ids = random_prompt(p, seed=p)
+            compile_s = timed(lambda: run_static(ids, n, new))[0]  # the first call compiles
+            contenders = {"compiled": lambda: run_static(ids, n, new),
+                          "eager": lambda: run_ours(ours, ids, n, new, tok.pad_token_id),
+                          "generate": lambda: run_generate(hf, ids, n, new, tok)}
+            times = {k: [dt for dt, _ in runs]
+                     for k, runs in interleaved(contenders, repeats).items()}
+            tps = {k: n * new / statistics.median(v) for k, v in times.items()}
+            counted = n * new * repeats / (sum(times["compiled"]) + compile_s)
+            share = {k: pct(model_gflop(params, v) / floor) for k, v in tps.items()}
+            print(f"{n:>5} {p:>6} {new:>4} | {tps['compiled']:>8.0f} {tps['eager']:>7.0f} "
+                  f"{tps['generate']:>8.0f}       | {tps['compiled'] / tps['eager']:>6.2f}x "
+                  f"{tps['compiled'] / tps['generate']:>5.2f}x | {compile_s:>9.1f} | "
+                  f"{counted:>9.0f} tok/s | {share['compiled']}, {share['eager']}, "
+                  f"{share['generate']}")
 
 
 # ----------------------------------------------------------------------------
@@ -342,7 +385,7 @@ def bench_varlen(path, device, dtype, repeats, tok, params, floor, n, prompt, ne
         for m in models:
             m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
     contenders = {  # each returns its number of real tokens (EOS included, padding not)
-        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], n, (0, n), new, 1.0, 1.0,
+        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], [(n, 0, n)], new, 1.0, 1.0,
                                                           [tok.eos_token_id], tok.pad_token_id)[1].sum()),
         "generate": lambda: int((run_generate(models[1], ids, n, new, tok, forced=False)
                                  != tok.pad_token_id).sum())}
@@ -366,7 +409,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok, p
           f"prompt {prompt}, new {new}, median of {repeats}")
     for n in ns:
         ids = [random_prompt(prompt, seed=b) for b in range(samples // n)]
-        fn = lambda: sampler.generate_group_chunk(model, ids, list(range(len(ids))), n, (0, n), new, 1.0, 1.0, -1,
+        fn = lambda: sampler.generate_group_chunk(model, ids, list(range(len(ids))), [(n, 0, n)] * len(ids), new, 1.0, 1.0, -1,
                                                   tok.pad_token_id)
         fn()  # warm-up
         t = statistics.median(timed(fn)[0] for _ in range(repeats))
@@ -403,7 +446,8 @@ def bench_lora(path, device, dtype, repeats, params, floor, n=512, prompt=64, ne
 
 def main(argv=None):
     ap = OneLineParser(prog="python -m tools.bench", description="brorl speed benchmark")
-    ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu", "lora"])
+    ap.add_argument("--part", default="all",
+                    choices=["sampler", "varlen", "step", "all", "gpu", "lora", "compiled"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
@@ -449,6 +493,10 @@ def main(argv=None):
               "backward) over it")
         if args.part == "lora":
             return bench_lora(path, device, dtype, args.repeats, params, floor)
+        if args.part == "compiled":  # at 1 and 2 threads (its own floors), or --threads alone
+            threads = [1, 2] if args.threads == 2 else [args.threads]
+            return bench_compiled(path, device, dtype, size["compiled"], args.repeats, tok, params,
+                                  threads, shape)
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor)
         if args.part in ("varlen", "all", "gpu"):

@@ -189,17 +189,18 @@ def test_unequal_prompts_and_small_groups_in_one_call_equal_their_own_call_to_ro
 
 
 def test_static_decode_step_equals_the_sampler(random_lm):
-    """lib/static_decode.py's step, traced eagerly (the graph torch.compile gets): the static cache
-    (written at a tensor t, read under a mask) and static rows give the sampler's greedy tokens and,
-    sampled at T = 1.3 from the same seeds, its tokens, log-probs and entropies to fp32 rounding."""
-    from lib import static_decode
+    """tools/bench.py's static decode step (its compiled contender), traced eagerly (the graph
+    torch.compile gets): the static cache (written at a tensor t, read under a mask) and static
+    rows give the sampler's greedy tokens and, sampled at T = 1.3 from the same seeds, its tokens,
+    log-probs and entropies to fp32 rounding."""
+    from tools import bench
     model, tok = random_lm
     ids = [tok(p)["input_ids"] for p in PROMPTS]  # unequal lengths: the prefix's padding
     eos, pad = [tok.eos_token_id], tok.pad_token_id
     for temperature in (0.0, 1.3):
         ref = sampler.generate_group_chunk(model, ids, [1, 2, 3, 4], [(3, 0, 3)] * 4, 8,
                                            temperature, 1.0, eos, pad)
-        got = static_decode.decode_chunk(model, ids, [1, 2, 3, 4], 3, 8, temperature, 1.0, eos,
+        got = bench.static_decode_chunk(model, ids, [1, 2, 3, 4], 3, 8, temperature, 1.0, eos,
                                          pad, compiled=False)
         assert ref[1].any(1).all() and not ref[1].all()  # rows stop early and at max_new: both
         for a, b in zip(ref, got):
@@ -216,14 +217,14 @@ def test_compiled_decode_step_equals_the_sampler(random_lm, monkeypatch):
     fp32 rounding; a second call reuses the compiled step. Compiled in this process (no pool of
     compile workers: for one small graph they cost more than they save, ~50 s against ~100 s)."""
     import torch._inductor.config
-    from lib import static_decode
+    from tools import bench
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
     model, tok = random_lm
     ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
     eos, pad = [tok.eos_token_id], tok.pad_token_id
     ref = sampler.generate_group_chunk(model, ids, [1, 2], [(2, 0, 2)] * 2, 3, 0.0, 1.0, eos, pad)
     for _ in range(2):
-        got = static_decode.decode_chunk(model, ids, [1, 2], 2, 3, 0.0, 1.0, eos, pad)
+        got = bench.static_decode_chunk(model, ids, [1, 2], 2, 3, 0.0, 1.0, eos, pad)
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
         torch.testing.assert_close(ref[2], got[2], atol=2e-5, rtol=0)
-    assert len([k for k in static_decode._STEPS if k[0] == id(model)]) == 1  # compiled once
+    assert len([k for k in bench._STEPS if k[0] == id(model)]) == 1  # compiled once

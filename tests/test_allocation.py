@@ -307,3 +307,24 @@ def test_planner_plans_adaptive_with_its_ceiling():
     wide = brorl.Config(n_rollouts=16, prompts_per_step=4, eval_samples=1,
                         **{**capped, "rollout_budget": 48, "max_rollouts": 16})
     assert rows(wide) == 48 * rows(uniform) // 64  # R = 48 caps the update's 4 x 16 rows
+
+
+def test_allocation_study_refuses_bad_flags_and_its_control_gives_every_candidate_16(capsys):
+    """tools/allocation_study.py: a budget that is not a finite positive number of CPU seconds,
+    no job at once, repeated seeds: one line each, before any run. Its control arm N=16-one-round
+    is --alloc adaptive with every candidate's n fixed at 16: whatever the estimates, 32 x 16 =
+    512 rollouts, the adaptive arm's budget."""
+    from tools import allocation_study as study
+    for argv, word in ((["--budget", "inf"], "--budget"), (["--budget", "0"], "--budget"),
+                       (["--jobs", "0"], "--jobs"), (["--seeds", "1", "1"], "--seeds")):
+        with pytest.raises(SystemExit):
+            study.main(argv)
+        assert word in capsys.readouterr().err.strip().splitlines()[-1]
+    adaptive, control = (brorl.parse_config([*study.ARMS[a]]) for a in ("adaptive",
+                                                                         "N=16-one-round"))
+    assert control.rollout_budget == adaptive.rollout_budget == 512
+    q = torch.rand(32, generator=torch.Generator().manual_seed(0), dtype=torch.float64) ** 4
+    n = allocation.allocate(q, control.rollout_budget, control.min_rollouts, control.max_rollouts)
+    assert n.tolist() == [16] * 32
+    assert len(set(allocation.allocate(q, 512, adaptive.min_rollouts,
+                                       adaptive.max_rollouts).tolist())) > 1

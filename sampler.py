@@ -374,7 +374,7 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
     # (r, 1) the position of each row's first new token.
     row_start = prompt_len.repeat_interleave(counts)[:, None]
-    logits = first_logits.repeat_interleave(counts, 0)  # (r, V), each row its prompt's first
+    logits = first_logits.repeat_interleave(counts, 0)  # (r, V): its prompt's next-token logits
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
         if temperature and t % DRAWS_AHEAD == 0:

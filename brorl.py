@@ -132,22 +132,38 @@ def parse_config(argv=None) -> Config:
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
-    """This rank's share of the prompts, n rollouts each, sampled and scored: its Rollouts (None if
-    the share is empty), the share (a range into examples), and ALL prompts' rewards, lengths and
-    truncation flags (P, n)."""
+    """This rank's share of the prompts, n rollouts each (one int, or a list of each prompt's n:
+    one sampler call either way), sampled and scored: its Rollouts (None if the share is empty),
+    the share (a range into examples), and ALL prompts' rewards, lengths and truncation flags: (P,
+    n) each, or, for a list, lists of P tensors (n_p,)."""
     mine = distributed.share(len(examples))
-    # Each prompt's rewards, lengths and truncation flags. (len(mine), 3, n)
-    scores = torch.zeros(len(mine), 3, n, dtype=torch.float64)
+    sizes = [n] * len(examples) if isinstance(n, int) else list(n)
+    # Each prompt's rewards, lengths and truncation flags, padded to the largest n.
+    # (len(mine), 3, max n)
+    scores = torch.zeros(len(mine), 3, max(sizes, default=0), dtype=torch.float64)
     ro = None
     if len(mine):
-        ro = generate(model, tok, [examples[i]["prompt"] for i in mine], n,
+        ro = generate(model, tok, [examples[i]["prompt"] for i in mine],
+                      n if isinstance(n, int) else sizes[mine.start: mine.stop],
                       max_new or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
                       seeds[mine.start: mine.stop], cfg.system_prompt)
-        # This rank's rewards. (len(mine), n)
-        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier, tok)
-        scores = torch.stack([r, ro.mask.sum(1).view(-1, n), ro.truncated.view(-1, n)], 1).double()
-    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
-    return ro, mine, r.float(), lengths, truncated
+        answers, task = [examples[i]["answer"] for i in mine], examples[0]["task"]
+        if isinstance(n, int):
+            r = score(ro, answers, task, cfg.verifier, tok)  # (len(mine), n) this rank's rewards
+            scores = torch.stack([r, ro.mask.sum(1).view(-1, n), ro.truncated.view(-1, n)],
+                                 1).double()
+        else:  # one prompt at a time: score() takes one n
+            for j, answer in enumerate(answers):
+                g = ro.group(j)  # its n_j rollouts
+                r = score(g, [answer], task, cfg.verifier, tok)[0]  # (n_j,)
+                scores[j, :, : g.n] = torch.stack([r, g.mask.sum(1), g.truncated]).double()
+    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), max n) each
+    if isinstance(n, int):
+        return ro, mine, r.float(), lengths, truncated
+    # Each prompt's own n: P tensors (n_p,) each.
+    r, lengths, truncated = ([x[i, :k] for i, k in enumerate(sizes)]
+                             for x in (r.float(), lengths, truncated))
+    return ro, mine, r, lengths, truncated
 
 
 # ----------------------------------------------------------------------------
@@ -183,12 +199,17 @@ class Group:
 
 
 def sample_groups(model, tok, cfg, batch, n, seeds) -> tuple:
-    """n rollouts of each prompt of batch at the training temperature, this rank's share sampled,
-    all scored: a Group for each prompt, and all the rewards and lengths (P, n)."""
+    """n rollouts of each prompt of batch (one int, or a list of each prompt's n) at the training
+    temperature, this rank's share sampled, all scored: a Group for each prompt, and all the
+    rewards and lengths, (P, n) or lists of P tensors (n_p,)."""
     ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
                                            seeds)
-    groups = [Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
-                    example=batch[g]) for g in range(len(batch))]
+    # Groups of unequal n each hold their own rollouts (index 0), so that a group's rows are
+    # always found at g * n + j.
+    own = (lambda g: (ro, g - mine.start)) if isinstance(n, int) else (
+        lambda g: (ro.group(g - mine.start), 0))
+    groups = [Group(r[g], lengths[g], *(own(g) if g in mine else ()), example=batch[g])
+              for g in range(len(batch))]
     return groups, r, lengths
 
 

@@ -21,6 +21,9 @@ AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
     generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
              system_prompt='') -> Rollouts
 
+n is one int for every prompt, or a list of each prompt's n (--alloc adaptive): one call, chunks
+of whole groups packed up to max_rows rows, each prompt's rows on the cache's (B, n_max) grid.
+
 Each prompt's rollouts are drawn from its own seed: for every decode step, the prompt's
 generator draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a
 time, whatever max_new is), so a rollout is a function of its prompt's seed and its place in the
@@ -48,12 +51,13 @@ class SharedPrefixCache:
     token's key/value per row) and, handed over in the attention-mask dict, tells
     cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep()).
 
-    Rows are kept sorted by prompt. For the prefix they are laid out on a grid (B, n_max): prompt
-    b's live rows in its n_max slots, empty slots zero, so that ONE batched matmul per kv head
-    reads each prompt's keys for exactly its own rows. slot[i] is row i's place on the grid (None
-    while the grid is full and in order, as before any drop)."""
+    Rows are kept sorted by prompt, n rows a prompt (one int, or each prompt's). For the prefix they
+    are laid out on a grid (B, n_max): prompt b's live rows in its n_max slots, empty slots zero,
+    so that ONE batched matmul per kv head reads each prompt's keys for exactly its own rows.
+    slot[i] is row i's place on the grid (None while the grid is full and in order: equal n,
+    before any drop)."""
 
-    def __init__(self, prefix_kv, prefix_len, n: int, dtype=None):
+    def __init__(self, prefix_kv, prefix_len, n, dtype=None):
         B, Hkv, P, D = prefix_kv[0][0].shape
         # Keys and values are stored in the compute dtype (dtype, by default the values'). Under
         # autocast, rotary's fp32 cos/sin promote the keys to fp32, and some transformers versions
@@ -64,22 +68,35 @@ class SharedPrefixCache:
         self.prefix_kv = [(k.to(dtype).transpose(0, 1).contiguous(),
                            v.to(dtype).transpose(0, 1).contiguous())
                           for k, v in prefix_kv]
-        self.B, self.P, self.n_max, self.slot = B, P, n, None
+        self.B, self.P = B, P
         # pad_bias (B, P) is -inf on each prompt's padding (prompts are right-padded to P), or
         # None if no prompt is padded.
         col = torch.arange(P, device=prefix_len.device)
         self.pad_bias = None if (prefix_len == P).all() else torch.zeros(
             B, P, device=prefix_len.device).masked_fill(col >= prefix_len[:, None], -math.inf)
+        # n: rows per prompt, one int for all or one a prompt. (B,)
+        counts = torch.as_tensor(n, device=prefix_len.device).expand(B)
         # (R,) the prompt of each row.
-        self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(n)
+        self.row_group = torch.arange(B, device=prefix_len.device).repeat_interleave(counts)
         self.t = 0  # generated tokens stored so far
+        R = len(self.row_group)
         # (R, Hkv, capacity, D) each, in the compute dtype.
-        self.k = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]
-        self.v = [v.new_empty(B * n, Hkv, 64, D) for _, v in self.prefix_kv]
-        self._set_bias()
+        self.k = [v.new_empty(R, Hkv, 64, D) for _, v in self.prefix_kv]
+        self.v = [v.new_empty(R, Hkv, 64, D) for _, v in self.prefix_kv]
+        self._lay_out(counts)
 
-    def _set_bias(self):
-        """prefix_bias (r, 1, 1, P): each row's own prompt's padding, or None."""
+    def _lay_out(self, counts):
+        """Place the rows on the (B, n_max) grid, counts (B,) rows of each prompt: n_max = the most
+        rows of one prompt, slot[i] = row i's place (None when the grid is full and in order), and
+        each row's prompt padding bias."""
+        self.n_max = int(counts.max())
+        first = torch.cumsum(counts, 0) - counts  # (B,) index of each prompt's first row
+        # (r,) each row's place among its prompt's rows.
+        rank = torch.arange(len(self.row_group), device=counts.device) - first[self.row_group]
+        self.slot = self.row_group * self.n_max + rank  # (r,) place on the (B, n_max) grid
+        if len(self.row_group) == self.B * self.n_max:  # full grid, rows in order: the identity
+            self.slot = None
+        # prefix_bias (r, 1, 1, P): each row's own prompt's padding, or None.
         self.prefix_bias = (None if self.pad_bias is None
                             else self.pad_bias[self.row_group][:, None, None])
 
@@ -92,15 +109,7 @@ class SharedPrefixCache:
             self.k[i] = self.k[i][rows]  # (r, Hkv, capacity, D)
             self.v[i] = self.v[i][rows]
         self.row_group = self.row_group[rows]  # still sorted by prompt
-        counts = torch.bincount(self.row_group, minlength=self.B)  # (B,) rows left per prompt
-        self.n_max = int(counts.max())
-        first = torch.cumsum(counts, 0) - counts  # (B,) index of each prompt's first row
-        # (r,) each row's place among its prompt's rows.
-        rank = torch.arange(len(rows), device=rows.device) - first[self.row_group]
-        self.slot = self.row_group * self.n_max + rank  # (r,) place on the (B, n_max) grid
-        if len(rows) == self.B * self.n_max:  # full grid, rows in order: slot is the identity
-            self.slot = None
-        self._set_bias()
+        self._lay_out(torch.bincount(self.row_group, minlength=self.B))  # (B,) rows left a prompt
 
     def to_grid(self, x):
         """(Hkv, r, ...) rows -> (Hkv, B*n_max, ...) grid, zeros in the empty slots."""
@@ -189,14 +198,19 @@ class Rollouts:
     entropy: torch.Tensor
     truncated: torch.Tensor  # (B*N,) bool: hit max_new without EOS
     texts: list  # B*N decoded responses, EOS stripped
-    n: int  # rollouts per prompt
+    n: int | list  # rollouts per prompt: one int for all, or a list of each prompt's (B*N: their
+                   # sum; a prompt's rows follow the previous prompt's)
 
     def group(self, g: int, keep=None) -> "Rollouts":
         """Prompt g's rollouts (those in keep, indices among its n; default all) as a Rollouts of
         their own, copied: a view would hold (and, sent to another process, carry) the whole
         batch's storage."""
+        if isinstance(self.n, int):
+            first, n = g * self.n, self.n
+        else:
+            first, n = sum(self.n[:g]), self.n[g]
         # (n',) the group's rows in the batch.
-        rows = g * self.n + (torch.arange(self.n) if keep is None else torch.as_tensor(keep))
+        rows = first + (torch.arange(n) if keep is None else torch.as_tensor(keep))
         return Rollouts([self.prompt_ids[g]], self.tokens[rows], self.mask[rows],
                         self.logp[rows], self.entropy[rows], self.truncated[rows],
                         [self.texts[i] for i in rows.tolist()], len(rows))
@@ -300,25 +314,12 @@ def pick_tokens(logits, temperature: float, top_p: float, u):
     return (j * DRAW_BLOCK + search_cdf(inner, y)).squeeze(-1)  # (R,)
 
 
-@torch.no_grad()
-def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, temperature, top_p,
-                         eos_id, pad_id):
-    """Rollouts lo..hi-1 (part) of the n_group of each prompt of a chunk, each prompt's drawn from
-    its own seed: (tokens, mask, logp, entropy, truncated), the first four (len(prompt_ids)*n, T),
-    the last (len(prompt_ids)*n,), n = hi - lo."""
+def prefill(model, prompt_ids) -> tuple:
+    """Each prompt run once, alone (no padding inside it): per layer its keys and values (B, Hkv,
+    P, D), right-padded to the longest prompt P; the logits of each prompt's last token (B, V);
+    the prompts' lengths (B,); and the compute dtype (autocast's when it is on, what the layers'
+    values come out in; else the weights')."""
     dev, cache_kw = model.device, cache_kwarg(model)
-    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
-    lo, hi = part
-    n = hi - lo  # rows per prompt in this chunk
-
-    def uniforms():
-        # (DRAWS_AHEAD, len(prompt_ids) * n): each prompt draws for all n_group of its rollouts,
-        # and this chunk keeps its own part's.
-        return torch.cat([torch.rand(DRAWS_AHEAD, n_group, generator=g, device=dev,
-                                     dtype=torch.float64)[:, lo:hi]
-                          for g in gens], 1)
-
-    # Prefill: each prompt once, alone (no padding inside it), its KV kept once.
     per_layer, first_logits = None, []
     for ids in prompt_ids:
         cache = DynamicCache(config=model.config)
@@ -335,16 +336,36 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
                   torch.cat([pad_to(v) for _, v in layer]))
                  for layer in per_layer]
     prompt_len = torch.tensor([len(ids) for ids in prompt_ids], device=dev)  # (B,)
-    # The compute dtype is autocast's when it is on (what the layers' values come out in), else
-    # the weights'.
     dtype = (torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type)
              else model.dtype)
-    cache = SharedPrefixCache(prefix_kv, prompt_len, n, dtype)
+    return prefix_kv, torch.stack(first_logits), prompt_len, dtype  # ..., (B, V), (B,), dtype
+
+
+@torch.no_grad()
+def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, top_p, eos_id,
+                         pad_id):
+    """The rollouts of a chunk of prompts, each prompt's drawn from its own seed: parts[b] =
+    (n_b, lo, hi) gives prompt b's rollouts lo..hi-1 of its n_b. Returns (tokens, mask, logp,
+    entropy, truncated), the first four (R, T), the last (R,), R = the sum of hi - lo, rows sorted
+    by prompt."""
+    dev, cache_kw = model.device, cache_kwarg(model)
+    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    counts = torch.tensor([hi - lo for _, lo, hi in parts], device=dev)  # (B,) rows per prompt
+
+    def uniforms():
+        # (DRAWS_AHEAD, R): each prompt draws for all n_b of its rollouts, and this chunk keeps
+        # its own part's.
+        return torch.cat([torch.rand(DRAWS_AHEAD, n_b, generator=g, device=dev,
+                                     dtype=torch.float64)[:, lo:hi]
+                          for g, (n_b, lo, hi) in zip(gens, parts)], 1)
+
+    prefix_kv, first_logits, prompt_len, dtype = prefill(model, prompt_ids)
+    cache = SharedPrefixCache(prefix_kv, prompt_len, counts, dtype)
     masks = {t: cache
              for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
     # eos_id may be one id or several.
-    R, eos_ids = len(prompt_ids) * n, torch.as_tensor(eos_id, device=dev)
+    R, eos_ids = int(counts.sum()), torch.as_tensor(eos_id, device=dev)
     tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T) outputs
     # (R, T) each.
     logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)
@@ -352,8 +373,8 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
     # The rows still decoding, r <= R of them: their output row, position offset and state.
     rows = torch.arange(R, device=dev)  # (r,) indices into the outputs
     # (r, 1) the position of each row's first new token.
-    row_start = prompt_len.repeat_interleave(n)[:, None]
-    logits = torch.stack(first_logits).repeat_interleave(n, 0)  # (r, V), row i is prompt i // n
+    row_start = prompt_len.repeat_interleave(counts)[:, None]
+    logits = first_logits.repeat_interleave(counts, 0)  # (r, V): its prompt's next-token logits
     done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
     for t in range(max_new):
         if temperature and t % DRAWS_AHEAD == 0:
@@ -390,31 +411,45 @@ def generate_group_chunk(model, prompt_ids, seeds, n_group, part, max_new, tempe
 
 def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
              system_prompt="") -> Rollouts:
-    """N rollouts for each prompt string, decoded in chunks of <= max_rows rows. seeds: one int
-    per prompt (its rollouts' random stream), or a torch.Generator to draw them from."""
+    """n rollouts for each prompt string (one int for all, or a list of each prompt's n), decoded in
+    chunks of <= max_rows rows. seeds: one int per prompt (its rollouts' random stream), or a
+    torch.Generator to draw them from."""
     prompt_ids = [encode_prompt(tok, p, system_prompt) for p in prompts]
     if isinstance(seeds, torch.Generator):
         seeds = draw_seeds(seeds, len(prompts))
-    if n <= max_rows:  # whole groups per chunk
-        per = max_rows // n
-        jobs = [(slice(i, i + per), (0, n)) for i in range(0, len(prompt_ids), per)]
-    else:  # a group does not fit: split its N rows into parts, each re-prefilling the prompt
-        jobs = [(slice(b, b + 1), (j, min(j + max_rows, n)))
-                for b in range(len(prompt_ids)) for j in range(0, n, max_rows)]
+    sizes = [n] * len(prompts) if isinstance(n, int) else list(n)
     # Chat models have several end-of-sequence ids.
     eos = {tok.eos_token_id, *listify(model.generation_config.eos_token_id)} - {None}
     # Each chunk's outputs leave the accelerator as soon as it is done: the device holds one
     # chunk.
-    parts = [tuple(x.cpu() for x in generate_group_chunk(model, prompt_ids[b], seeds[b], n, part,
-                                                          max_new, temperature, top_p,
-                                                          sorted(eos), tok.pad_token_id))
-             for b, part in jobs]
+    parts = [tuple(x.cpu() for x in generate_group_chunk(
+                 model, [prompt_ids[b] for b in chunk], [seeds[b] for b in chunk],
+                 [(sizes[b], lo, hi) for b, (lo, hi) in chunk.items()], max_new, temperature,
+                 top_p, sorted(eos), tok.pad_token_id))
+             for chunk in chunk_rows(sizes, max_rows)]
     tokens, mask, logp, entropy, truncated = (torch.cat(x) for x in zip(*parts))  # on the CPU
     # (B*N,) each row's real tokens: decode those, not T columns of padding.
     lengths = mask.sum(1).tolist()
-    texts = tok.batch_decode([row[:n] for row, n in zip(tokens.tolist(), lengths)],
+    texts = tok.batch_decode([row[:k] for row, k in zip(tokens.tolist(), lengths)],
                              skip_special_tokens=True)
     return Rollouts(prompt_ids, tokens, mask, logp, entropy, truncated, texts, n)
+
+
+def chunk_rows(sizes: list, max_rows: int) -> list:
+    """The chunks the sampler decodes, in prompt order, each a dict {prompt: (lo, hi)} of the
+    rollouts lo..hi-1 of its sizes[prompt] that it draws: whole groups while the next one fits in
+    max_rows rows; a group of more than max_rows rows alone, split into parts of max_rows, each
+    re-prefilling its prompt. With one n for all this is max_rows // n whole groups a chunk."""
+    chunks, chunk, rows = [], {}, 0
+    for b, n in enumerate(sizes):
+        if chunk and (rows + n > max_rows or n > max_rows):
+            chunks.append(chunk)
+            chunk, rows = {}, 0
+        if n > max_rows:
+            chunks += [{b: (j, min(j + max_rows, n))} for j in range(0, n, max_rows)]
+            continue
+        chunk[b], rows = (0, n), rows + n
+    return chunks + [chunk] * bool(chunk)
 
 
 def round_seeds(seed: int, step: int, rnd: int, n: int) -> list:

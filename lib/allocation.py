@@ -125,24 +125,20 @@ def calibration(estimate: Estimate, positions: list, log10_q: list) -> dict:
 
 def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimate) -> tuple:
     """One step's rollouts under --alloc adaptive: one round of B candidate prompts, each given its
-    n of the step's R rollouts from its estimated Q (allocate), sampled in one call per distinct n
-    (the sampler takes one n). Every group's rewards update the estimate; dynamic sampling drops
-    the all-equal groups, and no further round is drawn, since the budget is spent. sample(batch,
-    n, seeds) is brorl.sample_groups for the policy (lib/ never imports brorl): the batch's
-    Groups, rewards and lengths (P, n). Returns the kept Groups in candidate order, and
+    n of the step's R rollouts from its estimated Q (allocate), all sampled in one call (the
+    sampler takes each prompt's own n). Every group's rewards update the estimate; dynamic sampling
+    drops the all-equal groups, and no further round is drawn, since the budget is spent.
+    sample(batch, n, seeds) is brorl.sample_groups for the policy (lib/ never imports brorl), n a
+    list of each prompt's n: the batch's Groups, and its rewards and lengths as lists of tensors
+    (n_j,). Returns the kept Groups in candidate order, and
     brorl.sample_step_groups' statistics with the allocation's."""
     B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
     idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
     n = allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
     seeds = round_seeds(cfg.seed, step, 0, B)  # one a candidate: rollouts of (seed, step, prompt)
-    groups, tokens = [None] * B, 0
-    for size in sorted(set(n)):
-        js = [j for j in range(B) if n[j] == size]  # the candidates given `size` rollouts
-        # (len(js), size) rewards and lengths, one Group a candidate.
-        got, _, lengths = sample([train_set[idx[j]] for j in js], size, [seeds[j] for j in js])
-        tokens += int(lengths.sum())
-        for j, group in zip(js, got):
-            groups[j] = group
+    # One sampler call for all B candidates, each its own n: B Groups, and their lengths (n_j,).
+    groups, _, lengths = sample([train_set[i] for i in idx], n, seeds)
+    tokens = int(sum(x.sum() for x in lengths))
     estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
     informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
     kept = [x for x, useful in zip(groups, informative) if useful or not cfg.dynamic_sampling]

@@ -111,6 +111,19 @@ def rollout_rows(cfg, n: int, prompts: int) -> int:
     return min(cfg.max_rows // n, prompts) * n
 
 
+def most_rollouts(cfg) -> int:
+    """The most rollouts one prompt gets in a training step: N, or under --alloc adaptive the
+    ceiling --max_rollouts (at most the step's budget R), whatever the estimate allocates."""
+    if getattr(cfg, "alloc", "uniform") != "adaptive":
+        return cfg.n_rollouts
+    return min(cfg.max_rollouts, step_budget(cfg))
+
+
+def step_budget(cfg) -> int:
+    """--alloc adaptive's rollouts a step, R (0: B x N)."""
+    return cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
+
+
 def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     """Estimated peak bytes of each phase on one rank, itemised: {"rollout": [(item, bytes)],
     "update": [...]}. world_size K > 1 (torchrun, distributed.py): weights, gradients and AdamW
@@ -119,7 +132,8 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     H, I, L, V, nh, nkv, hd = _shape(mc)
     c = 2 if _compute_bytes(cfg) == 2 else 4
     total, linear = param_counts(mc)
-    B, N, T = cfg.prompts_per_step, cfg.n_rollouts, cfg.max_new_tokens
+    B, N, T = cfg.prompts_per_step, most_rollouts(cfg), cfg.max_new_tokens
+    adaptive = getattr(cfg, "alloc", "uniform") == "adaptive"
     P, K = prompt_tokens, world_size
     shard = f", 1/{K} shard" if K > 1 else ""
     # --lora_rank: the weights frozen, the adapter alone trained (gradients, AdamW state); the KL's
@@ -147,17 +161,27 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
                 # 17 bytes a token: int64 token, bool mask, fp32 logp, entropy.
                 ("chunk outputs (rows, T)", rows * T * 17)]
-    # Each rank samples its share of the prompts.
+    # Each rank samples its share of the prompts: uniform rounds of up to 4B prompts, N rollouts
+    # each; or --alloc adaptive's one call of B candidates, up to the ceiling each and R in all,
+    # packed into chunks of max_rows rows (sampler.chunk_rows).
     train_prompts, eval_prompts = math.ceil(4 * B / K), math.ceil(cfg.eval_prompts / K)
-    chunks = [chunk(rollout_rows(cfg, N, train_prompts), cfg.top_p,
-                    min(train_prompts, max(cfg.max_rows // N, 1))),
+    # The largest training chunk's rows and prompts.
+    rows, prompts = rollout_rows(cfg, N, train_prompts), min(train_prompts,
+                                                             max(cfg.max_rows // N, 1))
+    if adaptive:
+        prompts = math.ceil(B / K)
+        rows = min(cfg.max_rows, step_budget(cfg), prompts * N)
+    chunks = [chunk(rows, cfg.top_p, prompts),
               chunk(rollout_rows(cfg, cfg.eval_samples, eval_prompts), 0.95,
                     min(eval_prompts, max(cfg.max_rows // cfg.eval_samples, 1)))]
     rollout = state + max(chunks, key=lambda items: sum(b for _, b in items))
 
     # update: one micro-batch of r rows x T tokens on top of the step's state
-    # rows a rank trains per step: its even share of the kept groups
-    R = math.ceil(B / K) * (cfg.train_rollouts or N)
+    # rows a rank trains per step: its even share of the kept groups (adaptive: groups of up to the
+    # ceiling, R rows at most in all)
+    R = math.ceil(B / K) * min(cfg.train_rollouts or N, N)
+    if adaptive:
+        R = min(R, step_budget(cfg))
     r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
     per_layer = layer_activation_bytes(mc, c)
     tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
@@ -240,8 +264,8 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
 
 def fit_rows(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     """The largest max_rows not above cfg's whose rollout fits memory_bytes, or None: whole groups
-    (multiples of N) down to one group, then powers of two below N."""
-    N = cfg.n_rollouts
+    (multiples of N, adaptive: of its ceiling) down to one group, then powers of two below N."""
+    N = most_rollouts(cfg)
     powers = (2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))
     options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)), *powers}, reverse=True)
     fits = lambda x: peaks(plan(mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens,

@@ -276,3 +276,47 @@ def test_two_processes_equal_one_under_adaptive(tmp_path):
         for k in ("entropy", "clip_frac", "grad_norm"):  # up to summation order (test_distributed)
             assert a.get(k, 0) == pytest.approx(b.get(k, 0), rel=1e-4, abs=1e-6)
     assert rel_diff(weights(one), weights(two)) <= 1e-4
+
+
+def test_planner_plans_adaptive_with_its_ceiling():
+    """--alloc adaptive: the planner's training chunk and update hold up to --max_rollouts rows a
+    prompt and R rows in all, not N a prompt: with N = 512 (the default) and a ceiling of 8, both
+    shrink; with a ceiling of N they are uniform N's but for R's cap."""
+    from lib import planner
+    from transformers import Qwen2Config
+    mc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    item = lambda cfg, phase, name: dict(planner.plan(mc, cfg, 16)[phase])[name]
+    rows = lambda cfg: item(cfg, "update", "step's (rows, T) tensors")
+    kv = lambda cfg: item(cfg, "rollout", "sampling buffers (rows, V)")
+    uniform = brorl.Config(n_rollouts=16, prompts_per_step=4, eval_samples=1, eval_prompts=1)
+    capped = dict(alloc="adaptive", rollout_budget=32, min_rollouts=4, max_rollouts=8)
+    adaptive = brorl.Config(n_rollouts=512, prompts_per_step=4, eval_samples=1, eval_prompts=1,
+                            **capped)
+    assert planner.most_rollouts(adaptive) == 8 and planner.most_rollouts(uniform) == 16
+    assert rows(adaptive) == rows(uniform) // 2  # 4 groups of <= 8 rows, against 4 of 16
+    assert kv(adaptive) == kv(uniform) // 8  # one call of R = 32 rows, against a round of 4B x 16
+    wide = brorl.Config(n_rollouts=16, prompts_per_step=4, eval_samples=1,
+                        **{**capped, "rollout_budget": 48, "max_rollouts": 16})
+    assert rows(wide) == 48 * rows(uniform) // 64  # R = 48 caps the update's 4 x 16 rows
+
+
+def test_allocation_study_refuses_bad_flags_and_its_control_gives_every_candidate_16(capsys):
+    """tools/allocation_study.py: a budget that is not a finite positive number of CPU seconds,
+    no job at once, repeated seeds: one line each, before any run. Its control arm N=16-one-round
+    is --alloc adaptive with every candidate's n fixed at 16: whatever the estimates, 32 x 16 =
+    512 rollouts, the adaptive arm's budget."""
+    from tools import allocation_study as study
+    for argv, word in ((["--budget", "inf"], "--budget"), (["--budget", "0"], "--budget"),
+                       (["--jobs", "0"], "--jobs"), (["--seeds", "1", "1"], "--seeds")):
+        with pytest.raises(SystemExit):
+            study.main(argv)
+        assert word in capsys.readouterr().err.strip().splitlines()[-1]
+    adaptive, control = (brorl.parse_config([*study.ARMS[a]]) for a in ("adaptive",
+                                                                         "N=16-one-round"))
+    assert control.rollout_budget == adaptive.rollout_budget == 512
+    q = torch.rand(32, generator=torch.Generator().manual_seed(0), dtype=torch.float64) ** 4
+    n = allocation.allocate(q, control.rollout_budget, control.min_rollouts, control.max_rollouts)
+    assert n.tolist() == [16] * 32
+    assert len(set(allocation.allocate(q, 512, adaptive.min_rollouts,
+                                       adaptive.max_rollouts).tolist())) > 1

@@ -55,7 +55,7 @@ RUNNER = textwrap.dedent('''
     def recording_share(model, tok, examples, n, *a):
         ro, mine, r, *scores = share(model, tok, examples, n, *a)
         calls.append(dict(prompts=[examples[i]["prompt"] for i in mine], texts=ro.texts if ro else [],
-                          rewards=r.tolist()))
+                          rewards=r.tolist() if torch.is_tensor(r) else [x.tolist() for x in r]))
         return ro, mine, r, *scores
     brorl.sample_share = recording_share
     clip = torch.nn.utils.clip_grad_norm_

@@ -143,7 +143,7 @@ def test_decode_loop_syncs_with_the_host_once_per_token(monkeypatch):
     monkeypatch.setattr(sampler.SharedPrefixCache, "keep",
                         lambda self, rows: (counts.__setitem__("drops", counts["drops"] + 1), real_keep(self, rows)))
     prompt_ids = [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]]
-    run = lambda max_new: sampler.generate_group_chunk(model.eval(), prompt_ids, [1, 2], 16, (0, 16), max_new, 1.0,
+    run = lambda max_new: sampler.generate_group_chunk(model.eval(), prompt_ids, [1, 2], [(16, 0, 16)] * 2, max_new, 1.0,
                                                        1.0, [tok.eos_token_id], tok.pad_token_id)
     run(1)  # the prefill and setup alone, once per chunk
     setup, counts["sync"] = counts["sync"], 0

@@ -116,3 +116,115 @@ def test_top_p_samples_only_from_the_nucleus():
     counts = torch.bincount(toks, minlength=4).float() / 4000
     assert counts[2] == 0 and counts[3] == 0  # 0.5 + 0.3 reaches 0.7: tokens 2, 3 are cut
     assert abs(counts[0] - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
+
+
+def test_chunks_of_one_n_are_whole_groups_and_parts():
+    """chunk_rows: with one n for all, max_rows // n whole groups a chunk, or a group of more than
+    max_rows rows split into parts of max_rows; groups of unequal n packed in order while they
+    fit."""
+    assert sampler.chunk_rows([3] * 5, 7) == [{0: (0, 3), 1: (0, 3)}, {2: (0, 3), 3: (0, 3)},
+                                              {4: (0, 3)}]
+    assert sampler.chunk_rows([5] * 2, 2) == [{0: (0, 2)}, {0: (2, 4)}, {0: (4, 5)},
+                                              {1: (0, 2)}, {1: (2, 4)}, {1: (4, 5)}]
+    assert sampler.chunk_rows([3, 1, 5, 2, 2], 4) == [{0: (0, 3), 1: (0, 1)}, {2: (0, 4)},
+                                                      {2: (4, 5)}, {3: (0, 2), 4: (0, 2)}]
+
+
+def calls_per_n(model, tok, prompts, sizes, seeds, max_rows) -> list:
+    """Each prompt's Rollouts from one sampler call per distinct n (as --alloc adaptive sampled
+    before its one call), in prompt order."""
+    out = [None] * len(prompts)
+    for size in set(sizes):
+        js = [j for j, n in enumerate(sizes) if n == size]
+        alone = brorl.generate(model, tok, [prompts[j] for j in js], size, 8, 1.3, 1.0, max_rows,
+                               [seeds[j] for j in js])
+        for k, j in enumerate(js):
+            out[j] = alone.group(k)
+    return out
+
+
+def test_each_prompts_own_n_in_one_call_equals_one_call_per_n(random_lm):
+    """--alloc adaptive's one call: prompts of unequal n (in one chunk; in chunks of 5 rows, a group
+    split into parts) give each prompt exactly the rollouts that a call with its n alone gives it:
+    tokens, log-probs and truncation flags to the bit, as a rollout is a function of its prompt's
+    seed and its place in the group; the entropies to float rounding (torch's elementwise exp takes
+    another path on a tensor's last few elements, a batch-dependent set). To the bit where the
+    arithmetic is the same: prompts of one length (a chunk pads its prompts to the longest, and a
+    softmax over more padding sums in another order) and >= 4 rows decoded a step (this CPU's
+    matrix product rounds a product of 1 to 3 rows differently); else to rounding (the next
+    test)."""
+    model, tok = random_lm
+    prompts = ["12+34=", "5+678=", "90+12=", "3+456=", "7+8+9=", "11+22=", "6+543=", "99+1+="]
+    assert len({len(tok(p)["input_ids"]) for p in prompts}) == 1  # one length
+    sizes, seeds = [4, 6, 4, 6, 5, 5, 4, 6], list(range(100, 108))
+    runs = {}
+    for max_rows in (4096, 5):
+        one = runs[max_rows] = brorl.generate(model, tok, prompts, sizes, 8, 1.3, 1.0, max_rows,
+                                              seeds)
+        assert one.tokens.shape[0] == sum(sizes) and one.n == sizes
+        for j, b in enumerate(calls_per_n(model, tok, prompts, sizes, seeds, max_rows)):
+            a = one.group(j)
+            assert a.n == b.n == sizes[j] and a.prompt_ids == b.prompt_ids and a.texts == b.texts
+            for field in ("tokens", "mask", "logp", "truncated"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (max_rows, j, field)
+            torch.testing.assert_close(a.entropy, b.entropy, atol=1e-6, rtol=0)
+    # Chunks of 5 rows (a group of 6 split into 5 + 1, its parts drawing their own places' uniforms)
+    # against one chunk: the same sampled tokens; the log-probs to rounding (a part of 1 row).
+    assert torch.equal(runs[5].tokens, runs[4096].tokens)
+    torch.testing.assert_close(runs[5].logp, runs[4096].logp, atol=2e-5, rtol=0)
+
+
+def test_unequal_prompts_and_small_groups_in_one_call_equal_their_own_call_to_rounding(random_lm):
+    """Prompts of unequal lengths and groups of 1 and 2 rollouts (a call of their n alone decodes 2
+    or 4 rows at a time): the same tokens, their log-probs to float rounding."""
+    model, tok = random_lm
+    prompts, sizes, seeds = PROMPTS * 2, [1, 2, 7, 1, 3, 1, 9, 2], list(range(200, 208))
+    one = brorl.generate(model, tok, prompts, sizes, 8, 1.3, 1.0, 4096, seeds)
+    for j, b in enumerate(calls_per_n(model, tok, prompts, sizes, seeds, 4096)):
+        a = one.group(j)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask), j
+        # The bound of the sampler against the training forward (above): fp32 rounding.
+        torch.testing.assert_close(a.logp, b.logp, atol=2e-5, rtol=0)
+        torch.testing.assert_close(a.entropy, b.entropy, atol=2e-5, rtol=0)
+
+
+def test_static_decode_step_equals_the_sampler(random_lm):
+    """tools/bench.py's static decode step (its compiled contender), traced eagerly (the graph
+    torch.compile gets): the static cache (written at a tensor t, read under a mask) and static
+    rows give the sampler's greedy tokens and, sampled at T = 1.3 from the same seeds, its tokens,
+    log-probs and entropies to fp32 rounding."""
+    from tools import bench
+    model, tok = random_lm
+    ids = [tok(p)["input_ids"] for p in PROMPTS]  # unequal lengths: the prefix's padding
+    eos, pad = [tok.eos_token_id], tok.pad_token_id
+    for temperature in (0.0, 1.3):
+        ref = sampler.generate_group_chunk(model, ids, [1, 2, 3, 4], [(3, 0, 3)] * 4, 8,
+                                           temperature, 1.0, eos, pad)
+        got = bench.static_decode_chunk(model, ids, [1, 2, 3, 4], 3, 8, temperature, 1.0, eos,
+                                         pad, compiled=False)
+        assert ref[1].any(1).all() and not ref[1].all()  # rows stop early and at max_new: both
+        for a, b in zip(ref, got):
+            assert a.shape == b.shape
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])  # tokens, mask
+        torch.testing.assert_close(ref[2], got[2], atol=2e-5, rtol=0)  # log-probs
+        torch.testing.assert_close(ref[3], got[3], atol=2e-5, rtol=0)  # entropies
+        assert torch.equal(ref[4], got[4])  # truncated
+
+
+def test_compiled_decode_step_equals_the_sampler(random_lm, monkeypatch):
+    """The same step compiled (torch.compile, inductor on this CPU) at the smallest shapes (two
+    prompts, two rollouts each, three tokens), greedy: the sampler's tokens, and its log-probs to
+    fp32 rounding; a second call reuses the compiled step. Compiled in this process (no pool of
+    compile workers: for one small graph they cost more than they save, ~50 s against ~100 s)."""
+    import torch._inductor.config
+    from tools import bench
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    model, tok = random_lm
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    eos, pad = [tok.eos_token_id], tok.pad_token_id
+    ref = sampler.generate_group_chunk(model, ids, [1, 2], [(2, 0, 2)] * 2, 3, 0.0, 1.0, eos, pad)
+    for _ in range(2):
+        got = bench.static_decode_chunk(model, ids, [1, 2], 2, 3, 0.0, 1.0, eos, pad)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+        torch.testing.assert_close(ref[2], got[2], atol=2e-5, rtol=0)
+    assert len([k for k in bench._STEPS if k[0] == id(model)]) == 1  # compiled once

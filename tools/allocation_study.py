@@ -2,36 +2,54 @@
 allocation_study.py: --alloc adaptive against uniform breadth, at equal CPU seconds. Every run is a
 `python brorl.py` in a subprocess, one thread (OMP_NUM_THREADS=1, tools/ablate.py's thread_env),
 from the shipped warm start, trained for --budget seconds of process CPU time (--budget_clock cpu:
-another job's load cannot shorten it), evaluated at its start and its end only. Three arms with
+another job's load cannot shorten it), evaluated at its start and its end only. Four arms with
 B x N = 512, on the keys task (one right answer a prompt) and the sets task (16 right values a
-prompt, each rare), --seeds a arm. Only adaptive draws exactly 512 rollouts a step: a uniform round
-asks for ceil(B / keep rate) prompts, at most 4B, and further rounds follow until B groups survive
-(in the committed runs a median of about 1,300-1,600 rollouts a step at N = 16, 1,024 at N = 512):
+prompt, each rare), --seeds a arm:
 
-  adaptive  --alloc adaptive, B = 32 candidates, R = 512 a step, 4 <= n <= 256 (one round a step)
-  N=16      uniform N = 16, B = 32 (B x N = R; dynamic sampling draws more rounds to fill B)
-  N=512     uniform N = 512, B = 1 (B x N = R)
+  adaptive        --alloc adaptive, B = 32 candidates, R = 512 a step, 4 <= n <= 256 (one round)
+  N=16-one-round  the control: the same one round of 32 candidates and 512 rollouts a step, each
+                  given 16 (--alloc adaptive with 16 <= n <= 16: the allocation is all that differs)
+  N=16            uniform N = 16, B = 32 (dynamic sampling draws more rounds to fill B)
+  N=512           uniform N = 512, B = 1 (B x N = R)
+
+Only adaptive and its control draw exactly 512 rollouts a step. A uniform round asks for
+ceil(B / keep rate) prompts, at most 4B, and further rounds follow until B groups survive (in the
+committed runs a median of about 1,300-1,600 rollouts a step at N = 16, 1,024 at N = 512); so
+uniform with --max_rounds 1 would still draw up to 4B x N a step, which is why the control is
+written as an allocation of 16 to every candidate. Both train on the groups that survive
+dynamic sampling, without refilling.
 
 Measured per run, from its metrics.jsonl: the change of the mean exact Q over the run
 (mass_exact_mean, lib/mass.py; train = eval on both tasks: every training prompt is measured), per
 1,000 rollouts drawn and per CPU second of training; gate prompts lifted (1/512 <= Q < 1/16 at
 the start, >= 1/16 at the end); the prompts no rollout ever got right during the run
 (sampled_right) and the mean change of their log10 Q; informative groups (rewards not all equal)
-per 1,000 rollouts. Arms share no random
-draws, so they are compared unpaired: the exact Mann-Whitney test and Welch's t on the per-seed
-values (tools/theorem1_study.py's). Raw results: each run's metrics.jsonl, copied to
-assets/allocation/<task>/<arm>/seed<S>.jsonl as it ends; a rerun skips the runs whose raw file
-exists.
+per 1,000 rollouts. Adaptive and its control draw the same candidates and seeds at a step of a
+seed, the other arms share no random draws; all are compared unpaired: the exact Mann-Whitney
+test and Welch's t on the per-seed values (tools/theorem1_study.py's). Raw results: each run's
+metrics.jsonl, copied to <raw>/<task>/<arm>/seed<S>.jsonl as it ends; a rerun skips the runs
+whose raw file exists (so a rerun after a change of the code goes to a new --raw).
 
 CPU: about 45 CPU s a run with the defaults (30 s of training, start-up and two evaluations),
-30 runs: about 25 CPU minutes; --jobs 2 runs two at once.
+4 arms x 2 tasks x 5 seeds = 40 runs: about 30 CPU minutes (printed before it starts); --jobs 2
+runs two at once.
 
-  python -m tools.allocation_study --out runs/allocation # both tasks, 5 seeds
-  python -m tools.allocation_study --report              # tables and figure from the raw files
+--speed S measures, without the study, rollouts per CPU second (one thread) of S training steps
+of the adaptive arm, of the same arm with its rollouts sampled in one call per distinct n (how the
+sampler was called before it took each prompt's own n), and of its control N=16-one-round, on
+each task.
+
+  python -m tools.allocation_study --out runs/allocation-1call --raw assets/allocation-1call \
+      --jobs 2                                            # 4 arms x 2 tasks x 5 seeds
+  python -m tools.allocation_study --report --raw assets/allocation-1call  # tables, figure
+  python -m tools.allocation_study --speed 8             # rollouts per CPU s, the three arms
 """
 
 import argparse
+import math
+import os
 import statistics
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,6 +63,8 @@ RAW = HERE / "assets" / "allocation"
 ARMS = {  # name: flags; B x N (adaptive: R) = 512 in every arm
     "adaptive": ["--alloc", "adaptive", "--prompts_per_step", "32", "--rollout_budget", "512",
                  "--min_rollouts", "4", "--max_rollouts", "256"],
+    "N=16-one-round": ["--alloc", "adaptive", "--prompts_per_step", "32", "--rollout_budget", "512",
+                  "--min_rollouts", "16", "--max_rollouts", "16"],
     "N=16": ["--n_rollouts", "16", "--prompts_per_step", "32"],
     "N=512": ["--n_rollouts", "512", "--prompts_per_step", "1"],
 }
@@ -84,8 +104,9 @@ def measures(rows: list, arm: str) -> dict:
     rollouts = sum(r["samples"] for r in steps)
     cpu = last["time_train_cpu"]
     n = dict(zip(ARMS[arm][::2], ARMS[arm][1::2]))
-    # informative groups a step: keep_rate x groups drawn (uniform: samples / N; adaptive: B)
-    drawn = lambda r: (int(n["--prompts_per_step"]) if arm == "adaptive"
+    # informative groups a step: keep_rate x groups drawn (uniform: samples / N; one round of
+    # --alloc adaptive: B)
+    drawn = lambda r: (int(n["--prompts_per_step"]) if n.get("--alloc") == "adaptive"
                        else r["samples"] / int(n["--n_rollouts"]))
     informative = sum(r["keep_rate"] * drawn(r) for r in steps)
     q0, q1 = first["mass_exact_log10"], last["mass_exact_log10"]
@@ -183,15 +204,108 @@ def figure(raw: Path, path: Path):
     plt.close(fig)
 
 
+def per_n(sample_groups):
+    """brorl.sample_groups as the adaptive arm called it before the sampler took each prompt's own
+    n: one call per distinct n; the same Groups, rewards and lengths, in candidate order."""
+    def sample(model, tok, cfg, batch, n, seeds):
+        groups, lengths = [None] * len(batch), [None] * len(batch)
+        for size in sorted(set(n)):
+            js = [j for j in range(len(batch)) if n[j] == size]
+            got, _, got_len = sample_groups(model, tok, cfg, [batch[j] for j in js], size,
+                                            [seeds[j] for j in js])
+            for j, g, x in zip(js, got, got_len):
+                groups[j], lengths[j] = g, x
+        return groups, [g.rewards for g in groups], lengths
+    return sample
+
+
+def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
+    """Rollouts per CPU second (this process, one thread) of the adaptive arm, of the same arm with
+    one sampler call per distinct n (per_n), and of its control N=16-one-round, on the warm start:
+      rollout  the rollout phase alone (brorl.sample_groups: sampler and verifier), 32 training
+               prompts, the adaptive arms' 512 rollouts allocated for estimates q = u^4, u uniform
+               (a skewed spread of 4 to ~40 a prompt, as the study's steps show), the control's 16
+               each; median of `repeats` interleaved repeats;
+      step     `steps` training steps of each arm from the warm start (brorl.train, the training
+               clock time_train_cpu), with each step's mean rollout and update seconds (wall).
+    Returns {measure: {arm: value}}."""
+    import random
+    import time
+    import torch
+    import brorl
+    from lib import allocation, setup
+    torch.set_num_threads(1)
+    one_call = brorl.sample_groups
+    cfg = brorl.parse_config([*TASKS[task], *ARMS["adaptive"], "--device", "cpu"])
+    cfg, _, train_set, _, model, tok, _ = setup.setup(cfg, cfg.model, "--model")
+    batch, seeds = random.Random(seed).sample(train_set, 32), list(range(32))
+    u = torch.rand(32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    n = allocation.allocate(u ** 4, 512, 4, 256).tolist()  # (32,) rollouts a prompt, sum 512
+    arms = {"adaptive": lambda: one_call(model.eval(), tok, cfg, batch, n, seeds),
+            "adaptive, a call per n": lambda: per_n(one_call)(model.eval(), tok, cfg, batch, n,
+                                                              seeds),
+            "N=16-one-round": lambda: one_call(model.eval(), tok, cfg, batch, 16, seeds)}
+    cpu = {k: [] for k in arms}
+    for _ in range(repeats):
+        for k, fn in arms.items():
+            t = time.process_time()
+            fn()
+            cpu[k].append(time.process_time() - t)
+    out = {"rollout": {k: 512 / statistics.median(v) for k, v in cpu.items()},
+           "step": {}, "rollout_s": {}, "update_s": {}}
+    flags = {"adaptive": ARMS["adaptive"], "adaptive, a call per n": ARMS["adaptive"],
+             "N=16-one-round": ARMS["N=16-one-round"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arm_flags in flags.items():
+            brorl.sample_groups = per_n(one_call) if "per n" in name else one_call
+            try:
+                rows = brorl.train(brorl.parse_config(
+                    [*TASKS[task], *arm_flags, "--seed", str(seed), "--steps", str(steps),
+                     "--eval_every", "100000", "--save", "0", "--device", "cpu",
+                     "--probe_prompts", "4", "--probe_samples", "64",
+                     "--out", os.path.join(tmp, name.replace(" ", "_").replace(",", ""))]))
+            finally:
+                brorl.sample_groups = one_call
+            trained = [r for r in rows if r["step"] > 0]
+            out["step"][name] = sum(r["samples"] for r in trained) / trained[-1]["time_train_cpu"]
+            out["rollout_s"][name] = statistics.mean(r["time_rollout"] for r in trained)
+            out["update_s"][name] = statistics.mean(r["time_update"] for r in trained)
+    out["n"] = n
+    return out
+
+
+def check_flags(p, args):
+    """One line for a flag the study cannot run with (before any run starts), beside main's
+    checks of --budget and --jobs."""
+    if not args.seeds or min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds {' '.join(map(str, args.seeds))}: need distinct seeds >= 0")
+    if args.speed < 0:
+        p.error(f"--speed {args.speed}: need >= 1 step (0: no speed measurement)")
+    for arm, flags in ARMS.items():  # the arms' own caps: B x min <= R <= B x max, all positive
+        f = dict(zip(flags[::2], flags[1::2]))
+        if f.get("--alloc") == "adaptive":
+            B, R = int(f["--prompts_per_step"]), int(f["--rollout_budget"])
+            lo, hi = int(f["--min_rollouts"]), int(f["--max_rollouts"])
+            assert 2 <= lo <= hi and 0 < B * lo <= R <= B * hi, arm
+
+
+# A run's CPU seconds besides its --budget of training: start-up and the two evaluations
+# (the committed runs: about 45 CPU s a run at --budget 30).
+RUN_OVERHEAD_CPU_S = 15
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/allocation", help="run directories")
     p.add_argument("--raw", default=str(RAW), help="raw results (each run's metrics.jsonl)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     p.add_argument("--budget", type=float, default=30.0, help="CPU seconds of training a run")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each one thread)")
     p.add_argument("--report", action="store_true", help="tables and figure from the raw files")
+    p.add_argument("--speed", type=int, default=0,
+                   help="steps: measure rollouts per CPU s of the adaptive arms instead")
     args = p.parse_args(argv)
     raw = Path(args.raw)
     # Every flag and every raw file already there checked before any run.
@@ -200,6 +314,22 @@ def main(argv=None):
         fail(f"--jobs {args.jobs}: need >= 1")
     if bad := [s for s in args.seeds if s < 0]:
         fail(f"--seeds: {bad[0]}: need seeds >= 0")
+    check_flags(p, args)
+    if args.speed:
+        print(f"rollouts per CPU second, one thread: the rollout phase (median of 5) and "
+              f"{args.speed} training steps from the warm start")
+        ratio = lambda r, k: r[k] / r["N=16-one-round"]
+        for task in args.tasks:
+            r = speed(task, args.speed)
+            print(f"{task}: adaptive's n: {' '.join(map(str, sorted(r['n'])))}")
+            for measure in ("rollout", "step"):
+                print(f"  {measure:>7}: " + ", ".join(f"{k} {v:.0f}" for k, v in r[measure].items())
+                      + f" | adaptive / control {ratio(r[measure], 'adaptive'):.2f}, a call per n"
+                      f" / control {ratio(r[measure], 'adaptive, a call per n'):.2f}")
+            print("  a step's rollout / update wall s: " + ", ".join(
+                f"{k} {r['rollout_s'][k]:.2f} / {r['update_s'][k]:.2f}" for k in r["rollout_s"]),
+                flush=True)
+        return
     if args.report:  # over raw files that exist, into --raw
         read(raw)
     ablate.writable_dir("--raw", raw, files=("report.md", "figure.png"))
@@ -207,7 +337,11 @@ def main(argv=None):
         ablate.writable_dir("--out", Path(args.out))
         ablate.read_raw(raw)
         # seed by seed, every arm of a seed before the next seed: a study cut short stays balanced
-        todo = [(t, a, s) for s in args.seeds for t in args.tasks for a in ARMS]
+        todo = [(t, a, s) for s in args.seeds for t in args.tasks for a in args.arms
+                if not (raw / t / a / f"seed{s}.jsonl").is_file()]
+        cpu = len(todo) * (args.budget + RUN_OVERHEAD_CPU_S)
+        print(f"{len(todo)} runs to do (the others' raw files exist): about {cpu / 60:.0f} CPU "
+              f"minutes, {cpu / 60 / args.jobs:.0f} minutes at --jobs {args.jobs}", flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
             for line in pool.map(lambda x: run(*x, args.budget, Path(args.out), raw), todo):
                 print(line, flush=True)

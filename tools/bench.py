@@ -20,6 +20,9 @@ Parts:
   gpu      (CUDA) the same three parts in bf16 on a randomly initialised model with
            Qwen2.5-0.5B's architecture (peak GPU memory instead of RSS), then rollout samples/s
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
+  compiled the sampler's decode step compiled (static_decode_chunk below: a static cache and
+           rows, torch.compile) against the eager sampler and generate, at (512, 16, 32), at 1 and 2
+           threads, the compile timed and also counted in a rate (not part of "all").
   lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
            (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
            against merged into the weights (peft's merge_adapter), and without an adapter;
@@ -39,6 +42,8 @@ Commands:
   python -m tools.bench --part gpu         # on a CUDA machine
   python -m tools.bench --part all --tiny  # every CPU part at toy sizes (seconds)
   python -m tools.bench --part lora        # LoRA decoding, merged or not
+  python -m tools.bench --part compiled    # the compiled decode step vs eager vs generate, 1 and 2
+                                           # threads (compiling takes a minute or two)
   python -m tools.bench --save DIR         # write the bench model, tokenizer, prompts.json
   bash tools/bench_trl.sh                  # TRL GRPOTrainer on the same model, in its own venv
   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python  # TRL interleaved with ours
@@ -47,6 +52,7 @@ Commands:
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import resource
@@ -63,6 +69,7 @@ from transformers.utils import logging as hf_logging
 
 import brorl
 import data
+from kernels import token_logprobs
 from lib.config import OneLineParser
 import sampler
 from lib import setup
@@ -82,9 +89,10 @@ SAMPLER_CASES = [(512, 16, 32), (512, 256, 64)]  # (N, prompt tokens, new tokens
 # Every part's sizes, full and --tiny: sampler cases; varlen (N, prompt, new); step N values and new
 # tokens; breadth N values, samples per step, prompt, new; the rows of the matmul floor's product
 # (between a decode step's 512 rows and an update micro-batch's 64 rows x 32 tokens)
-SIZES = {"full": dict(sampler=SAMPLER_CASES, varlen=(512, 64, 128), step_ns=[64, 512], step_new=32,
+SIZES = {"full": dict(sampler=SAMPLER_CASES, compiled=[(512, 16, 32)], varlen=(512, 64, 128), step_ns=[64, 512],
+                      step_new=32,
                       breadth_ns=[16, 64, 256, 512], breadth=(2048, 256, 128), floor_rows=1024),
-         "tiny": dict(sampler=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
+         "tiny": dict(sampler=[(8, 4, 4)], compiled=[(8, 4, 4)], varlen=(8, 8, 8), step_ns=[4], step_new=4,
                       breadth_ns=[2, 4], breadth=(8, 8, 4), floor_rows=64)}
 
 
@@ -199,7 +207,7 @@ def random_prompt(length: int, seed: int) -> list:
 
 
 def run_ours(model, ids, n, new, pad_id):
-    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], n, (0, n), new, 1.0, 1.0, -1, pad_id)[:2]
+    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], [(n, 0, n)], new, 1.0, 1.0, -1, pad_id)[:2]
     assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
     return tokens
 
@@ -227,7 +235,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
     ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
     ids = random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
-    a = sampler.generate_group_chunk(ours, [ids], [0], 1, (0, 1), 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
+    a = sampler.generate_group_chunk(ours, [ids], [0], [(1, 0, 1)], 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
@@ -252,6 +260,192 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
         results.append(dict(n=n, prompt=p, new=new, **{f"{k}_tok_s": v for k, v in tps.items()},
                             ratio=ratio, **{f"{k}_floor": v for k, v in share.items()}))
     return results
+
+
+# ----------------------------------------------------------------------------
+# The compiled contender: the sampler's decode step with static shapes, for torch.compile
+#
+# static_decode_chunk is sampler.generate_group_chunk's decode loop written so that torch.compile
+# traces its step once (the eager loop is the reference; bench_compiled measures both). A
+# 2-thread profile of the eager step was dominated by unfused elementwise work (RMSNorm, rotary,
+# the gated MLP, the cache writes), which a compiler fuses; gpt-fast's recipe is a step with static
+# shapes, compiled once. What makes one graph serve every step:
+#   - a static cache: each row's own keys and values in (R, Hkv, max_new, D) per layer, written at
+#     step t and read under the mask column <= t; t and the positions are tensors, not Python ints
+#     (a Python int is specialised: the sampler's cache would recompile at every position);
+#   - static rows: the R = B x n rows of a chunk decode every step; a finished row decodes padding
+#     (the eager loop drops finished rows instead, which changes the shapes);
+#   - the prompts' shared prefix read as in sampler.cascade_attention, each prompt's keys once
+#     against its own n rows x G query heads (one batched matmul per kv head), in one softmax with
+#     the row's own keys.
+# Prefill, the draws (pick_tokens) and the log-probs stay eager and are the sampler's own.
+# Supported: Qwen2/Llama-style decoders (RMSNorm, rotary, GQA attention with optional q/k/v
+# biases, SwiGLU MLP), full attention, default rotary. Equal to the eager loop to fp32 rounding
+# (tests/test_sampler.py): the same greedy tokens, log-probs within rounding.
+
+# Compiled steps by (model, R, B, P, max_new, dtype): one compile each, reused by every call.
+_STEPS = {}
+
+
+def rotate_half(x):
+    """(..., D) -> (..., D): [-x2, x1], rotary's pairing of the two halves."""
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat([-x2, x1], -1)
+
+
+def static_decode_step(model, tok, pos, t, ks, vs, pks, pvs, pad_bias, n: int):
+    """One decode step of R rows: tok (R,) int64, pos (R,) int64 positions, t () int64 the step
+    (the cache column written); ks, vs per layer (R, Hkv, T, D) each row's own keys and values,
+    written here at column t; pks, pvs per layer (B, Hkv, P, D) the prompts' keys and values;
+    pad_bias (B, 1, 1, P) float, -inf on each prompt's padding. Returns the logits (R, V)."""
+    core, cfg = model.model, model.config
+    R, T = tok.shape[0], ks[0].shape[2]
+    B, Hkv, P, D = pks[0].shape
+    H = cfg.num_attention_heads
+    G = H // Hkv  # query heads a kv head
+    rope = core.rotary_emb
+    # (R, D) rotary's cos and sin at each row's position.
+    freqs = pos[:, None].float() * rope.inv_freq[None].float()  # (R, D / 2)
+    emb = torch.cat([freqs, freqs], -1)  # (R, D)
+    cos, sin = emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
+    # (1, 1, 1, T): the columns this step reads (the row's tokens 0..t).
+    own_bias = torch.where(torch.arange(T, device=tok.device) <= t, 0.0, -math.inf)[None, None,
+                                                                                     None]
+    x = core.embed_tokens(tok)  # (R, H_model)
+    for i, layer in enumerate(core.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)  # (R, H_model)
+        q = attn.q_proj(h).view(R, H, D)
+        k = attn.k_proj(h).view(R, Hkv, D)
+        v = attn.v_proj(h).view(R, Hkv, D)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]  # (R, H, D)
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]  # (R, Hkv, D)
+        # The cache written in place at column t, a tensor: one graph for every step.
+        ks[i].index_copy_(2, t.view(1), k[:, :, None])  # (R, Hkv, T, D)
+        vs[i].index_copy_(2, t.view(1), v[:, :, None])
+        q = (q * attn.scaling).view(R, Hkv, G, D)
+        # (a) The prefix: per kv head one batched matmul over the B prompts, each prompt's P
+        # keys against its own n rows x G heads. (B, Hkv, n*G, D) -> (B, Hkv, n*G, P)
+        q_grid = q.view(B, n, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * G, D)
+        s_a = torch.matmul(q_grid, pks[i].transpose(-1, -2)) + pad_bias  # (B, Hkv, n*G, P)
+        s_a = s_a.view(B, Hkv, n, G, P).permute(0, 2, 1, 3, 4).reshape(R, Hkv, G, P)
+        # (b) Each row's own tokens 0..t. (R, Hkv, G, T)
+        s_b = torch.matmul(q, ks[i].transpose(-1, -2)) + own_bias
+        p = torch.softmax(torch.cat([s_a, s_b], -1).float(), -1).to(q.dtype)  # (R, Hkv, G, P+T)
+        p_grid = p[..., :P].reshape(B, n, Hkv, G, P).permute(0, 2, 1, 3, 4).reshape(
+            B, Hkv, n * G, P)  # (B, Hkv, n*G, P)
+        out_a = torch.matmul(p_grid, pvs[i]).view(B, Hkv, n, G, D).permute(0, 2, 1, 3, 4)
+        out = out_a.reshape(R, Hkv, G, D) + torch.matmul(p[..., P:], vs[i])  # (R, Hkv, G, D)
+        x = x + attn.o_proj(out.reshape(R, H * D))  # (R, H_model)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(core.norm(x))  # (R, V)
+
+
+def check_supported(model):
+    """One line (ValueError) for a model the static step does not cover."""
+    cfg = model.config
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    rope = getattr(cfg, "rope_scaling", None) or {}
+    if types != {"full_attention"} or rope.get("rope_type", "default") != "default":
+        raise ValueError(f"the compiled decode step covers full attention and default rotary "
+                         f"only, not {sorted(types)} / {rope.get('rope_type')}")
+    if not all(hasattr(model.model.layers[0], a) for a in ("self_attn", "mlp", "input_layernorm")):
+        raise ValueError(f"the compiled decode step covers Qwen2/Llama decoders, not "
+                         f"{type(model).__name__}")
+
+
+def compiled_step(model, key):
+    """The decode step for one static shape key, compiled on first use (torch.compile, inductor;
+    fullgraph: a graph break would be a silent slowdown)."""
+    key = (id(model), *key)
+    if key not in _STEPS:
+        _STEPS[key] = torch.compile(static_decode_step, fullgraph=True, dynamic=False)
+    return _STEPS[key]
+
+
+@torch.no_grad()
+def static_decode_chunk(model, prompt_ids, seeds, n, max_new, temperature, top_p, eos_id, pad_id,
+                 compiled=True):
+    """n rollouts of each prompt (a chunk of B x n rows), decoded with the static step (compiled,
+    or traced eagerly with compiled=False): (tokens, mask, logp, entropy, truncated), the first
+    four (B*n, max_new), the last (B*n,). Same draws as sampler.generate_group_chunk: each
+    prompt's uniforms from its own seed, DRAWS_AHEAD steps at a time."""
+    check_supported(model)
+    dev = model.device
+    gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+    B, R, T = len(prompt_ids), len(prompt_ids) * n, max_new
+    prefix_kv, first_logits, prompt_len, dtype = sampler.prefill(model, prompt_ids)
+    # Per layer (B, Hkv, P, D) in the compute dtype.
+    pks = [k.to(dtype).contiguous() for k, _ in prefix_kv]
+    pvs = [v.to(dtype).contiguous() for _, v in prefix_kv]
+    P, Hkv, D = pks[0].shape[2], pks[0].shape[1], pks[0].shape[3]
+    col = torch.arange(P, device=dev)
+    # (B, 1, 1, P): -inf on each prompt's padding.
+    pad_bias = torch.zeros(B, P, device=dev).masked_fill(col >= prompt_len[:, None], -math.inf)[
+        :, None, None].to(dtype)
+    # Per layer (R, Hkv, T, D): each row's own keys and values, zero before they are written.
+    ks = [torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
+    vs = [torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
+    step = compiled_step(model, (R, B, P, T, dtype)) if compiled else static_decode_step
+    eos_ids = torch.as_tensor(eos_id, device=dev)
+    tokens = torch.full((R, T), pad_id, dtype=torch.long, device=dev)  # (R, T)
+    logp, entropy = torch.zeros(R, T, device=dev), torch.zeros(R, T, device=dev)  # (R, T)
+    mask = torch.zeros(R, T, dtype=torch.bool, device=dev)  # (R, T)
+    start = prompt_len.repeat_interleave(n)  # (R,) each row's first new position
+    logits = first_logits.repeat_interleave(n, 0)  # (R, V)
+    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,)
+    for t in range(T):
+        if temperature and t % sampler.DRAWS_AHEAD == 0:
+            # (DRAWS_AHEAD, R): each prompt's n uniforms a step from its own generator.
+            u_ahead = torch.cat([torch.rand(sampler.DRAWS_AHEAD, n, generator=g, device=dev,
+                                            dtype=torch.float64) for g in gens], 1)
+        u = u_ahead[t % sampler.DRAWS_AHEAD] if temperature else None  # (R,)
+        tok = torch.where(done, pad_id, sampler.pick_tokens(logits, temperature, top_p, u))
+        tokens[:, t], mask[:, t] = tok, ~done
+        logp[:, t], entropy[:, t] = token_logprobs(logits, tok.masked_fill(done, -100),
+                                                   temperature or 1.0, with_entropy=True,
+                                                   validate=False)
+        done = done | torch.isin(tok, eos_ids)
+        if t == T - 1 or bool(done.all()):
+            break
+        logits = step(model, tok, start + t, torch.tensor(t, device=dev), ks, vs, pks, pvs,
+                      pad_bias, n)
+    return tokens, mask, logp, entropy, ~done
+
+
+def bench_compiled(path, device, dtype, cases, repeats, tok, params, threads, floor_shape):
+    """The sampler's decode loop three ways, side by side at each thread count: compiled
+    (static_decode_chunk: static cache and rows, torch.compile'd step), eager (the sampler,
+    generate_group_chunk), and generate. Tokens/s, median of interleaved repeats; the compile is
+    the first compiled call (its time printed, and a rate with it counted once over the repeats);
+    each thread count's own matmul floor."""
+    ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
+    run_static = lambda ids, n, new: static_decode_chunk(ours, [ids], [0], n, new, 1.0, 1.0, -1,
+                                                         tok.pad_token_id)[0]
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        floor = matmul_floor(device, dtype, *floor_shape)
+        print(f"\n== compiled decode step, {n_threads} thread(s), median of {repeats}; matmul "
+              f"floor {floor:.1f} GFLOP/s")
+        print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'compiled':>8} {'eager':>7} {'generate':>8} "
+              f"tok/s | {'c/eager':>7} {'c/gen':>6} | compile s | c incl. compile | floor: c, "
+              f"eager, generate")
+        for n, p, new in cases:
+            ids = random_prompt(p, seed=p)
+            compile_s = timed(lambda: run_static(ids, n, new))[0]  # the first call compiles
+            contenders = {"compiled": lambda: run_static(ids, n, new),
+                          "eager": lambda: run_ours(ours, ids, n, new, tok.pad_token_id),
+                          "generate": lambda: run_generate(hf, ids, n, new, tok)}
+            times = {k: [dt for dt, _ in runs]
+                     for k, runs in interleaved(contenders, repeats).items()}
+            tps = {k: n * new / statistics.median(v) for k, v in times.items()}
+            counted = n * new * repeats / (sum(times["compiled"]) + compile_s)
+            share = {k: pct(model_gflop(params, v) / floor) for k, v in tps.items()}
+            print(f"{n:>5} {p:>6} {new:>4} | {tps['compiled']:>8.0f} {tps['eager']:>7.0f} "
+                  f"{tps['generate']:>8.0f}       | {tps['compiled'] / tps['eager']:>6.2f}x "
+                  f"{tps['compiled'] / tps['generate']:>5.2f}x | {compile_s:>9.1f} | "
+                  f"{counted:>9.0f} tok/s | {share['compiled']}, {share['eager']}, "
+                  f"{share['generate']}")
 
 
 # ----------------------------------------------------------------------------
@@ -342,7 +536,7 @@ def bench_varlen(path, device, dtype, repeats, tok, params, floor, n, prompt, ne
         for m in models:
             m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
     contenders = {  # each returns its number of real tokens (EOS included, padding not)
-        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], n, (0, n), new, 1.0, 1.0,
+        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], [(n, 0, n)], new, 1.0, 1.0,
                                                           [tok.eos_token_id], tok.pad_token_id)[1].sum()),
         "generate": lambda: int((run_generate(models[1], ids, n, new, tok, forced=False)
                                  != tok.pad_token_id).sum())}
@@ -366,7 +560,7 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok, p
           f"prompt {prompt}, new {new}, median of {repeats}")
     for n in ns:
         ids = [random_prompt(prompt, seed=b) for b in range(samples // n)]
-        fn = lambda: sampler.generate_group_chunk(model, ids, list(range(len(ids))), n, (0, n), new, 1.0, 1.0, -1,
+        fn = lambda: sampler.generate_group_chunk(model, ids, list(range(len(ids))), [(n, 0, n)] * len(ids), new, 1.0, 1.0, -1,
                                                   tok.pad_token_id)
         fn()  # warm-up
         t = statistics.median(timed(fn)[0] for _ in range(repeats))
@@ -403,7 +597,8 @@ def bench_lora(path, device, dtype, repeats, params, floor, n=512, prompt=64, ne
 
 def main(argv=None):
     ap = OneLineParser(prog="python -m tools.bench", description="brorl speed benchmark")
-    ap.add_argument("--part", default="all", choices=["sampler", "varlen", "step", "all", "gpu", "lora"])
+    ap.add_argument("--part", default="all",
+                    choices=["sampler", "varlen", "step", "all", "gpu", "lora", "compiled"])
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; medians are reported")
     ap.add_argument("--steps", type=int, default=3, help="step part: timed rl_steps per process")
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
@@ -449,6 +644,10 @@ def main(argv=None):
               "backward) over it")
         if args.part == "lora":
             return bench_lora(path, device, dtype, args.repeats, params, floor)
+        if args.part == "compiled":  # at 1 and 2 threads (its own floors), or --threads alone
+            threads = [1, 2] if args.threads == 2 else [args.threads]
+            return bench_compiled(path, device, dtype, size["compiled"], args.repeats, tok, params,
+                                  threads, shape)
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor)
         if args.part in ("varlen", "all", "gpu"):

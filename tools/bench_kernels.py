@@ -10,12 +10,19 @@ bench_kernels.py: the log-prob kernels of kernels.py measured. Parts (--part, de
                process per path)
   compiled     every @triton.jit kernel compiled ahead of time for sm_80 and sm_90 (no GPU needed):
                registers per thread, spills, occupancy (ptxas -v)
+  peers        (not in all) one log-prob + entropy pass in the unit TRL reports its fused kernel in:
+               on a GPU, ms at 8,192 tokens, H = 4096, V = 151,936, bf16, forward and forward +
+               backward, for linear_logprobs, the Triton kernel on given logits and the unfused
+               torch pass, the ratio beside TRL's 14x; on a CPU, linear_logprobs against TRL 1.16's
+               chunked log-prob function (--trl: a Python with TRL), time and peak memory
 
 Commands:
   python -m tools.bench_kernels                            # everything, for the device at hand
   python -m tools.bench_kernels --part correctness
   python -m tools.bench_kernels --part logprobs --shapes 65536x151936 --compiled_shapes 0
   python -m tools.bench_kernels --tune                     # GPU: a few launch configs, fwd+bwd ms
+  python -m tools.bench_kernels --part peers               # GPU: TRL's unit
+  python -m tools.bench_kernels --part peers --trl /work/trlvenv/bin/python  # CPU: against TRL
 Figures: docs/results/kernel.md.
 """
 
@@ -241,7 +248,12 @@ def _linear_cpu_child(path, N, D, V):
     t = torch.randint(0, V, (N,), generator=gen)
     g = torch.randn(N, generator=gen)  # upstream gradient
     fn = {"logits": lambda h, w, t: token_logprobs(h @ w.T, t),  # the logits made whole, as before
-          "linear": lambda h, w, t: linear_logprobs(h, w, t)}[path]
+          "linear": lambda h, w, t: linear_logprobs(h, w, t),
+          # log-prob and entropy (the peers' pass), the log-probs' gradient (the entropy a metric):
+          # ours, and TRL's chunked function (in a Python where TRL is installed)
+          "linear+entropy": lambda h, w, t: linear_logprobs(h, w, t, with_entropy=True)[0],
+          "trl": lambda h, w, t: _trl_chunked()(h, w, None, t, 1.0, TRL_VOCAB_CHUNK, None, 1.0,
+                                                ("entropy",))[0]}[path]
 
     def step(h=h, w=w, t=t, g=g):
         h.grad = w.grad = None
@@ -278,6 +290,104 @@ def _bench_linear_cpu(N=4096, D=896, V=151936):
     print("  peak extra: the process's resident high-water mark (VmHWM) during one forward +\n"
           "  backward, above its resident size before (each path in a fresh process); time: that\n"
           "  same run, on this machine's threads (first touch of fresh memory included, on both paths)")
+
+# -----------------------------------------------------------------------------
+# In the peers' unit: one log-prob + entropy pass at the shape TRL reports
+
+# TRL's fused Triton log-prob + entropy kernel (huggingface/trl PR 7253) as its maintainers report
+# it: one H100, bf16, V = 151,936, H = 4096, 8,192 tokens: 0.89 ms, against 12.8 ms for the unfused
+# pass (log_softmax, gather, entropy), 14.4x.
+PEER_SHAPE = (8192, 4096, 151936)  # tokens, H, V
+TRL_MS = {"fused": 0.89, "unfused": 12.8}
+TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (1.16): its vocabulary tile
+
+
+def _trl_chunked():
+    """TRL's chunked log-prob + entropy of hidden @ weight.T (trl.kernels.chunked_logprob, 1.16):
+    its autograd Function's apply (on a CPU its tiles fold in torch)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    return ChunkedLogProbFunction.apply
+
+
+def _unfused(logits, targets):
+    """The unfused pass TRL times: fp32 log_softmax over all of (N, V), the targets' gathered, and
+    the entropy from the same log-probabilities. (N,) each."""
+    logp_all = torch.log_softmax(logits.float(), -1)  # (N, V)
+    logp = logp_all.gather(-1, targets[:, None])[:, 0]  # (N,)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)  # (N,), (N,)
+
+
+def _bench_peers_gpu(N, H, V):
+    """ms of one log-prob + entropy pass at TRL's shape, bf16, forward and forward + backward (the
+    log-probs' gradient; the entropy is a metric on every path here), for linear_logprobs (from
+    hidden states and the head: its matmuls included), the Triton kernel on given logits, and the
+    unfused torch pass on the same logits; the ratio beside TRL's."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(N, H, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(V, H, generator=gen, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (N,), generator=gen, device="cuda")  # (N,)
+    g = torch.randn(N, generator=gen, device="cuda")  # (N,) upstream gradient of the log-probs
+    with torch.no_grad():
+        x = (h @ w.T).requires_grad_()  # (N, V) bf16 logits, given to the two logits paths
+    paths = {"linear_logprobs (h, W)": (lambda: linear_logprobs(h, w, t, with_entropy=True),
+                                        (h, w)),
+             "Triton kernel (logits)": (lambda: token_logprobs(x, t, with_entropy=True,
+                                                               backend="triton"), (x,)),
+             "unfused torch (logits)": (lambda: _unfused(x, t), (x,))}
+    print(f"\nIn the peers' unit: {N} tokens, H = {H}, V = {V}, bf16, {torch.cuda.get_device_name()}"
+          f", median of 10 (CUDA events)")
+    print(f"{'path':>24} {'fwd ms':>8} {'f+b ms':>8}")
+    ms = {}
+    for name, (fn, leaves) in paths.items():
+        def fwd():
+            with torch.no_grad():
+                fn()
+
+        def fwd_bwd():
+            for leaf in leaves:
+                leaf.grad = None  # each call allocates its own gradients, as in training
+            (fn()[0] * g).sum().backward()
+        try:
+            ms[name] = (_cuda_time_ms(fwd), _cuda_time_ms(fwd_bwd))
+            print(f"{name:>24} {ms[name][0]:8.2f} {ms[name][1]:8.2f}")
+        except torch.OutOfMemoryError:
+            print(f"{name:>24} out of memory")
+        for leaf in leaves:
+            leaf.grad = None
+        torch.cuda.empty_cache()
+    tri, naive = ms.get("Triton kernel (logits)"), ms.get("unfused torch (logits)")
+    if tri and naive:
+        print(f"  unfused / Triton kernel: forward {naive[0] / tri[0]:.1f}x, forward + backward "
+              f"{naive[1] / tri[1]:.1f}x; TRL reports {TRL_MS['unfused'] / TRL_MS['fused']:.1f}x "
+              f"({TRL_MS['fused']} vs {TRL_MS['unfused']} ms, one H100, its fused kernel)")
+
+
+def _bench_peers_cpu(trl_python, N=512, H=896, V=151936):
+    """linear_logprobs against TRL's chunked log-prob function (trl_python: a Python with TRL 1.16
+    importable), log-prob and entropy of the same (N, H) x (V, H) fp32 inputs, forward + backward,
+    each in a fresh process: peak extra memory and time."""
+    print(f"\nCPU, fp32, {N} positions x H = {H} -> V = {V}: log-prob + entropy forward, the "
+          f"log-probs' backward (the gradients of hidden and weight included), one fresh process "
+          f"each, {torch.get_num_threads()} threads")
+    print(f"{'path':>34} {'peak extra MiB':>15} {'time s':>7}")
+    res = {}
+    for path, name, python in [("linear+entropy", "kernels.linear_logprobs", sys.executable),
+                               ("trl", "TRL 1.16 ChunkedLogProbFunction", trl_python)]:
+        if not python:
+            print(f"{name:>34}  skipped: no --trl Python given")
+            continue
+        out = subprocess.run([python, "-m", "tools.bench_kernels", "--linear-child", path,
+                              str(N), str(H), str(V)], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode != 0:
+            print(f"{name:>34}  failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}")
+            continue
+        res[path] = peak, sec = tuple(float(x) for x in out.stdout.split()[-2:])
+        print(f"{name:>34} {peak / 2**20:15.0f} {sec:7.2f}")
+    if len(res) == 2:
+        (m_ours, s_ours), (m_trl, s_trl) = res["linear+entropy"], res["trl"]
+        print(f"  linear_logprobs against TRL's: {m_ours / m_trl:.2f}x the memory, "
+              f"{s_ours / s_trl:.2f}x the time")
+
 
 def _cuda_time_ms(fn, reps=10):
     """Median milliseconds of fn, by CUDA events, after 3 warm-up calls."""
@@ -416,7 +526,8 @@ def _tune(rows=32768, V=151936):
 
 def main():
     ap = argparse.ArgumentParser(prog="python -m tools.bench_kernels", description="log-prob kernels: correctness, compiled registers, memory, speed")
-    ap.add_argument("--part", default="all", choices=["all", "correctness", "compiled", "logprobs", "linear"],
+    ap.add_argument("--part", default="all",
+                    choices=["all", "correctness", "compiled", "logprobs", "linear", "peers"],
                     help="correctness: the error table; compiled: ptxas registers/spills (no GPU needed); "
                          "logprobs / linear: memory and speed of token_logprobs / linear_logprobs")
     ap.add_argument("--shapes", default="8192x151936,32768x32000,65536x151936",
@@ -424,6 +535,8 @@ def main():
     ap.add_argument("--compiled_shapes", type=int, default=3,
                     help="GPU logprobs part: torch.compile baseline at this many of the first shapes")
     ap.add_argument("--tune", action="store_true", help="GPU: sweep a few launch configs, print fwd+bwd ms")
+    ap.add_argument("--trl", default="",
+                    help="peers part on a CPU: a Python with TRL 1.16 importable (its own venv)")
     ap.add_argument("--compile-json", action="store_true", help=argparse.SUPPRESS)  # compile_kernels' child
     ap.add_argument("--linear-child", nargs=4, help=argparse.SUPPRESS)  # one measurement of _bench_linear_cpu
     args = ap.parse_args()
@@ -444,6 +557,8 @@ def main():
         _bench_linear_gpu() if cuda else _bench_linear_cpu()
     if args.part in ("all", "compiled"):
         _compiled_table()
+    if args.part == "peers":  # not in "all": the GPU's is its own step of .ci/gpu
+        _bench_peers_gpu(*PEER_SHAPE) if cuda else _bench_peers_cpu(args.trl)
 
 
 if __name__ == "__main__":

@@ -341,6 +341,30 @@ def report(raw: Path) -> str:
                 "decades per 100 steps over the rule's window): " + "; ".join(
                     f"{x['log10_q_start']:.2f} -> {x['log10_q_branch']:.2f} "
                     f"({x['decades_per_100']:+.2f})" for x in rec["stuck"]), ""]
+    for path in sorted(raw.glob("trunk*/metrics.jsonl")):
+        rows = read_jsonl(path)
+        evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
+        hi, plateau = math.log10(WINDOW[1]), path.parent / "plateau.json"
+        if not plateau.is_file():
+            test = plateau_test(rows, 100)
+            out += [f"## {path.parent.name}: stopped at step {evals[-1]['step']} without a plateau",
+                    "", f"- plateau rule at its last eval: slope "
+                    f"{test.get('slope_per_100', float('nan')):+.4f} per 100 steps, interval "
+                    f"[{test.get('ci_low', float('nan')):+.4f}, "
+                    f"{test.get('ci_high', float('nan')):+.4f}]; mean exact Q "
+                    f"{evals[-1]['answers_q']:.4f}"]
+        out += [f"- {path.parent.name}, prompts by zone (high / reach window / below) at each "
+                "eval: " + "; ".join(
+                    f"{r['step']}: " + "/".join(str(v) for v in
+                                                zones(r["answers_log10_q_per_prompt"]).values())
+                    for r in evals if r["step"] % 50 == 0)]
+        # When each prompt first reached 1/16: the trunk's own revivals, step by step.
+        first = [next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
+                 for i in range(len(evals[0]["answers_log10_q_per_prompt"]))]
+        late = sorted(f for f in first if f is not None and f > 100)
+        out += [f"- {path.parent.name}: prompts that first reached 1/16 after step 100: "
+                f"{len(late)} (at steps {', '.join(map(str, late)) or 'none'}); never: "
+                f"{sum(f is None for f in first)}", ""]
     runs = ablate.read_raw(raw)
     arms_raw = {a: runs.get("arms", {}).get(a, {}) for a in ARMS}
     if not any(arms_raw.values()):

@@ -34,14 +34,13 @@ Where this simplifies the paper:
      wrong addition procedures (data.py); RL selects the right one, as RLVR a model's behaviour.
   3. The learning rate is not scaled by sqrt(samples per step) automatically; set --lr.
 
-Run: `python brorl.py` (the embedded tiny model, on a CPU, in minutes); `--preset gsm8k-0.5b` a
-real one-GPU job; `--resume runs/<run>` continues a run; `torchrun ... brorl.py` runs it on K
-processes; `--help` lists every flag (docs/running.md: all of it).
+Run: `python brorl.py` (the tiny model, a CPU, minutes); `--preset gsm8k-0.5b` (one GPU); `--resume
+runs/<run>`; `torchrun ... brorl.py` (K processes); `--help`, every flag (docs/running.md).
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
-embedded model); lib/ what a reader may skip but lib/policy.response_logprobs (flags, run harness,
-model plumbing, planner, processes, the eval's diagnostics); tools/ the programs run beside
-training. The paper, restated: docs/paper.md. Every figure: docs/results/.
+embedded model); lib/ what a reader may skip but policy.response_logprobs (flags, harness, model
+plumbing, planner, processes, diagnostics); tools/ the programs run beside training; docs/paper.md
+the paper restated; docs/results/ every figure.
 """
 
 import math
@@ -87,8 +86,7 @@ class Config(config.RunOptions):
     max_rounds: int = 8  # dynamic sampling's most rounds a step, each of new prompts (then < B)
     # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
     # trains on the m rollouts of a group whose rewards vary most.
-    adv_norm: str = "batch"  # advantage normalisation after r - mean_group: batch, response,
-                             # group or none
+    adv_norm: str = "batch"  # advantages' normalisation: batch, response, group or none
     focal_gamma: float = 0.0  # F-GRPO's focal weight: advantages x (1 - success rate)^gamma; 0: off
     train_rollouts: int = 0  # m: rollouts per group the update trains on (PODS); 0: all N
     # The policy update.
@@ -126,44 +124,32 @@ def parse_config(argv=None) -> Config:
 
 
 # ----------------------------------------------------------------------------
-# Rollouts: sampler.generate makes them (tokens, mask, the sampler's log-probs and entropies,
-# truncation flags, texts; row i is prompt i // N's). Each of K ranks samples a share of the
-# prompts, and every rank gets the scores of all.
+# Rollouts: sampler.generate makes them (tokens, masks, log-probs, entropies, texts; row i is
+# prompt i // N's). Each of K ranks samples a share of the prompts; every rank gets all scores.
 
 
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
-    """This rank's share of the prompts, n rollouts each (one int, or a list of each prompt's n:
-    one sampler call either way), sampled and scored: its Rollouts (None if the share is empty),
-    the share (a range into examples), and ALL prompts' rewards, lengths and truncation flags: (P,
-    n) each, or, for a list, lists of P tensors (n_p,)."""
+    """This rank's share of the prompts, n rollouts each (an int, or a list: each prompt's own;
+    one sampler call either way), sampled and scored: its Rollouts (None if none), the share (a
+    range into examples), and ALL prompts' rewards, lengths, truncation flags: (P, n) or P (n_p,)."""
     mine = distributed.share(len(examples))
     sizes = [n] * len(examples) if isinstance(n, int) else list(n)
-    # Each prompt's rewards, lengths and truncation flags, padded to the largest n.
-    # (len(mine), 3, max n)
-    scores = torch.zeros(len(mine), 3, max(sizes, default=0), dtype=torch.float64)
+    # Each prompt's rewards, lengths and truncation flags, padded to the most rollouts.
+    scores = torch.zeros(len(mine), 3, max(sizes, default=0), dtype=torch.float64)  # (P', 3, n)
     ro = None
     if len(mine):
         ro = generate(model, tok, [examples[i]["prompt"] for i in mine],
                       n if isinstance(n, int) else sizes[mine.start: mine.stop],
                       max_new or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
                       seeds[mine.start: mine.stop], cfg.system_prompt)
-        answers, task = [examples[i]["answer"] for i in mine], examples[0]["task"]
-        if isinstance(n, int):
-            r = score(ro, answers, task, cfg.verifier, tok)  # (len(mine), n) this rank's rewards
-            scores = torch.stack([r, ro.mask.sum(1).view(-1, n), ro.truncated.view(-1, n)],
-                                 1).double()
-        else:  # one prompt at a time: score() takes one n
-            for j, answer in enumerate(answers):
-                g = ro.group(j)  # its n_j rollouts
-                r = score(g, [answer], task, cfg.verifier, tok)[0]  # (n_j,)
-                scores[j, :, : g.n] = torch.stack([r, g.mask.sum(1), g.truncated]).double()
-    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), max n) each
-    if isinstance(n, int):
-        return ro, mine, r.float(), lengths, truncated
-    # Each prompt's own n: P tensors (n_p,) each.
-    r, lengths, truncated = ([x[i, :k] for i, k in enumerate(sizes)]
-                             for x in (r.float(), lengths, truncated))
-    return ro, mine, r, lengths, truncated
+        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier,
+                  tok).flatten()  # (this rank's rows,)
+        rows = torch.stack([r, ro.mask.sum(1), ro.truncated]).double()  # (3, this rank's rows)
+        for j, part in enumerate(rows.split(sizes[mine.start: mine.stop], 1)):
+            scores[j, :, : part.shape[1]] = part
+    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
+    own = lambda x: x if isinstance(n, int) else [x[i, :k] for i, k in enumerate(sizes)]
+    return ro, mine, *map(own, (r.float(), lengths, truncated))  # or each (n_p,) for a list
 
 
 # ----------------------------------------------------------------------------
@@ -172,25 +158,26 @@ def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_ne
 
 def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
           tok=None) -> torch.Tensor:
-    """Rewards (B, N): the verifier on each response; a truncated one scores 0. A response is scored
-    with the <think> its prompt opened (R1-Distill's template ends with one), so that an unfinished
-    think block does not count."""
+    """Rewards (B, N), or (sum n_j,) for prompts of unequal n: the verifier on each response; a
+    truncated one scores 0. A response is scored with the <think> its prompt opened (R1-Distill's
+    template ends with one), so that an unfinished think block does not count."""
     prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
     # Whether each prompt leaves a think block open. (B,)
     opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]
-    texts = [opened[i // rollouts.n] + t for i, t in enumerate(rollouts.texts)]
-    golds = [a for a in answers for _ in range(rollouts.n)]
+    n = rollouts.n if isinstance(rollouts.n, list) else [rollouts.n] * len(prompts)
+    owner = [p for p, k in enumerate(n) for _ in range(k)]  # (B*N,) each row's prompt
+    texts = [opened[p] + t for p, t in zip(owner, rollouts.texts)]
+    golds = [answers[p] for p in owner]
     # Each response's verdict; a truncated response's is then set to 0. (B*N,)
     r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier),
                      dtype=torch.float32)
     r[rollouts.truncated] = 0.0
-    return r.view(-1, rollouts.n)
+    return r.view(-1, rollouts.n) if isinstance(rollouts.n, int) else r
 
 
 @dataclass
 class Group:
-    """A prompt's group: its rewards and lengths (on every rank), and its rollouts at `index` (only
-    on the rank that sampled it)."""
+    """A prompt's group: its rewards and lengths (every rank's), its rollouts at `index` (one's)."""
     rewards: torch.Tensor  # (N,) one per rollout
     lengths: torch.Tensor  # (N,) valid tokens per response
     rollouts: Rollouts = None
@@ -199,17 +186,12 @@ class Group:
 
 
 def sample_groups(model, tok, cfg, batch, n, seeds) -> tuple:
-    """n rollouts of each prompt of batch (one int, or a list of each prompt's n) at the training
-    temperature, this rank's share sampled, all scored: a Group for each prompt, and all the
-    rewards and lengths, (P, n) or lists of P tensors (n_p,)."""
+    """n rollouts of each prompt of batch at the training temperature, this rank's share sampled,
+    all scored: a Group for each prompt, and all the rewards and lengths (P, n)."""
     ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
                                            seeds)
-    # Groups of unequal n each hold their own rollouts (index 0), so that a group's rows are
-    # always found at g * n + j.
-    own = (lambda g: (ro, g - mine.start)) if isinstance(n, int) else (
-        lambda g: (ro.group(g - mine.start), 0))
-    groups = [Group(r[g], lengths[g], *(own(g) if g in mine else ()), example=batch[g])
-              for g in range(len(batch))]
+    groups = [Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
+                    example=batch[g]) for g in range(len(batch))]
     return groups, r, lengths
 
 
@@ -393,8 +375,7 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
     # and the reference's log-probs. (r, T) each
     old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
                                            layout.mine(torch.arange(R)), cfg, dev)
-    # The sampler/trainer drift: the loss's old policy against the policy that drew the tokens (0
-    # with the sampler's log-probs: the first mini-batch's max|ratio-1| measures it). (tokens,)
+    # The drift of the loss's old policy from the sampler's (0 with its log-probs). (tokens,)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]
     sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0,
                 kl=0.0, drift_max=drift.max().item() if len(drift) else 0.0, max_ratio_dev=0.0)
@@ -532,8 +513,8 @@ def train(cfg: Config) -> list:
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
     # The step's sampling: sample_step_groups, or --alloc adaptive's; --mass_balance watches it.
-    sample = diagnostics.watch_sampling(allocation.sampler(estimate, sample_groups) if estimate
-                                        else sample_step_groups, cfg, diag.exact_set)
+    sample = diagnostics.watch_sampling(allocation.sampler(estimate, sample_share, Group)
+                                        if estimate else sample_step_groups, cfg, diag.exact_set)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the

@@ -153,11 +153,23 @@ def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimat
     return kept, stats
 
 
-def sampler(estimate: Estimate, sample_groups):
+def sample_candidates(sample_share, group, model, tok, cfg, batch, n: list, seeds) -> tuple:
+    """All candidates in one brorl.sample_share call (n: each prompt's own), each made a brorl.Group
+    (`group`) holding its own rollouts, so that a group's rows are at j as in a group of one n:
+    the Groups, and each one's rewards and lengths (P tensors (n_p,))."""
+    ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
+                                           seeds)
+    groups = [group(r[g], lengths[g], *((ro.group(g - mine.start), 0) if g in mine else ()),
+                    example=batch[g]) for g in range(len(batch))]
+    return groups, r, lengths
+
+
+def sampler(estimate: Estimate, sample_share, group):
     """--alloc adaptive's sampling phase in brorl.sample_step_groups' signature, for brorl.rl_step:
-    sample_allocated_groups with `estimate`, its groups sampled by sample_groups
-    (brorl.sample_groups: lib/ never imports brorl)."""
+    sample_allocated_groups with `estimate`, its candidates sampled by sample_candidates through
+    brorl.sample_share and brorl.Group (lib/ never imports brorl)."""
     def sample_step(model, tok, cfg, train_set, rng, step, keep_est):
-        sample = lambda batch, n, seeds: sample_groups(model, tok, cfg, batch, n, seeds)
+        sample = lambda batch, n, seeds: sample_candidates(sample_share, group, model, tok, cfg,
+                                                           batch, n, seeds)
         return sample_allocated_groups(sample, cfg, train_set, rng, step, estimate)
     return sample_step

@@ -205,9 +205,10 @@ def figure(raw: Path, path: Path):
 
 
 def per_n(sample_groups):
-    """brorl.sample_groups as the adaptive arm called it before the sampler took each prompt's own
-    n: one call per distinct n; the same Groups, rewards and lengths, in candidate order."""
-    def sample(model, tok, cfg, batch, n, seeds):
+    """lib/allocation.sample_candidates as the adaptive arm sampled before the sampler took each
+    prompt's own n: brorl.sample_groups once per distinct n; the same Groups, rewards and lengths,
+    in candidate order."""
+    def sample(sample_share, group, model, tok, cfg, batch, n, seeds):
         groups, lengths = [None] * len(batch), [None] * len(batch)
         for size in sorted(set(n)):
             js = [j for j in range(len(batch)) if n[j] == size]
@@ -235,16 +236,18 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     import brorl
     from lib import allocation, setup
     torch.set_num_threads(1)
-    one_call = brorl.sample_groups
+    one_call = allocation.sample_candidates
+    ours = lambda fn: lambda *a: fn(brorl.sample_share, brorl.Group, *a)  # (model, ..., seeds)
     cfg = brorl.parse_config([*TASKS[task], *ARMS["adaptive"], "--device", "cpu"])
     cfg, _, train_set, _, model, tok, _ = setup.setup(cfg, cfg.model, "--model")
     batch, seeds = random.Random(seed).sample(train_set, 32), list(range(32))
     u = torch.rand(32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     n = allocation.allocate(u ** 4, 512, 4, 256).tolist()  # (32,) rollouts a prompt, sum 512
-    arms = {"adaptive": lambda: one_call(model.eval(), tok, cfg, batch, n, seeds),
-            "adaptive, a call per n": lambda: per_n(one_call)(model.eval(), tok, cfg, batch, n,
-                                                              seeds),
-            "N=16-one-round": lambda: one_call(model.eval(), tok, cfg, batch, 16, seeds)}
+    arms = {"adaptive": lambda: ours(one_call)(model.eval(), tok, cfg, batch, n, seeds),
+            "adaptive, a call per n": lambda: ours(per_n(brorl.sample_groups))(
+                model.eval(), tok, cfg, batch, n, seeds),
+            "N=16-one-round": lambda: ours(one_call)(model.eval(), tok, cfg, batch, [16] * 32,
+                                                     seeds)}
     cpu = {k: [] for k in arms}
     for _ in range(repeats):
         for k, fn in arms.items():
@@ -257,7 +260,8 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
              "N=16-one-round": ARMS["N=16-one-round"]}
     with tempfile.TemporaryDirectory() as tmp:
         for name, arm_flags in flags.items():
-            brorl.sample_groups = per_n(one_call) if "per n" in name else one_call
+            allocation.sample_candidates = (per_n(brorl.sample_groups) if "per n" in name
+                                            else one_call)
             try:
                 rows = brorl.train(brorl.parse_config(
                     [*TASKS[task], *arm_flags, "--seed", str(seed), "--steps", str(steps),
@@ -265,7 +269,7 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
                      "--probe_prompts", "4", "--probe_samples", "64",
                      "--out", os.path.join(tmp, name.replace(" ", "_").replace(",", ""))]))
             finally:
-                brorl.sample_groups = one_call
+                allocation.sample_candidates = one_call
             trained = [r for r in rows if r["step"] > 0]
             out["step"][name] = sum(r["samples"] for r in trained) / trained[-1]["time_train_cpu"]
             out["rollout_s"][name] = statistics.mean(r["time_rollout"] for r in trained)

@@ -564,6 +564,14 @@ def test_readme_fits_in_12_kb():
     assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024
 
 
+def test_the_results_book_fits_in_120_kb():
+    """The current pages of the results book (every docs/results/*.md but the archive, which holds
+    what moved off them) are at most 120 KB together."""
+    pages = [p for p in (ROOT / RESULTS).glob("*.md") if p.name != "archive.md"]
+    total = sum(len(p.read_bytes()) for p in pages)
+    assert pages and total <= 120 * 1024, f"{total} bytes: move detail into {RESULTS}/archive.md"
+
+
 def readme_legend() -> dict:
     """README's legend of the step line: field -> its row's text."""
     md = (ROOT / "README.md").read_text()

@@ -131,7 +131,7 @@ def parse_config(argv=None) -> Config:
 def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
     """This rank's share of the prompts, n rollouts each (an int, or a list: each prompt's own;
     one sampler call either way), sampled and scored: its Rollouts (None if none), the share (a
-    range into examples), and ALL prompts' rewards, lengths, truncation flags: (P, n) or P (n_p,)."""
+    range into examples), and ALL prompts' rewards, lengths, truncated flags: (P, n) or P (n_p,)."""
     mine = distributed.share(len(examples))
     sizes = [n] * len(examples) if isinstance(n, int) else list(n)
     # Each prompt's rewards, lengths and truncation flags, padded to the most rollouts.

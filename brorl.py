@@ -99,7 +99,7 @@ class Config(config.RunOptions):
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
     loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
-    clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher); CISPO's
+    clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher), CISPO's too
     clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)

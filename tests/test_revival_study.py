@@ -72,7 +72,8 @@ def _arm_rows(q0: list, q1: list, cpu: float, n: int, steps: int = 4) -> list:
     def ev(step, qs, t):
         return dict(step=step, answers_q=sum(10 ** q for q in qs) / len(qs),
                     answers_log10_q_per_prompt=qs, answers_right_rose=0.5,
-                    answers_right_worst_drop=0.01, answers_entropy=0.1, time_train_cpu=t,
+                    answers_right_worst_drop=0.01, answers_worst_drop_max=0.02,
+                    answers_entropy=0.1, time_train_cpu=t,
                     **{f"answers_pass@{k}": 0.9 for k in (1, 16, 256, 1024)})
     mid = [dict(step=s, samples=64 * n, groups_kept=3, time_train_cpu=cpu * s / steps,
                 balance_groups=[dict(U_pos_before=0.2, U_pos_after=0.1, q_before=0.5)])

@@ -162,7 +162,8 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: 
         done = rows[-1]["step"] if rows else 0
         if rows and (run_dir / "ckpt").is_dir():
             test = plateau_test(rows, window)
-            print(f"{name} step {done}: mean exact Q {rows[-1].get('answers_q', float('nan')):.4f}; "
+            q = rows[-1].get("answers_q", float("nan"))
+            print(f"{name} step {done}: mean exact Q {q:.4f}; "
                   f"plateau rule: {test}", flush=True)
             if test["plateau"]:
                 record = {**branch_point(rows, test, window), "window": window}
@@ -282,9 +283,11 @@ def arm_measures(rows: list) -> dict:
         "revived_window": sum(lo <= a < hi <= b for a, b in zip(q0, q1)),
         "revived_below": sum(a < lo and b >= hi for a, b in zip(q0, q1)),
         "stuck_dlog10q": statistics.fmean([b - a for a, b in zip(q0, q1) if a < hi] or [0.0]),
+        # a prompt's worst drop of a right answer, averaged over the prompts; and the largest
         "right_rose": last["answers_right_rose"], "worst_drop": last["answers_right_worst_drop"],
+        "worst_drop_max": last["answers_worst_drop_max"],
         "entropy": last["answers_entropy"],
-        # per measured update, over its trained groups: the unsampled right mass's change, and
+        # per trained group of a measured step (two updates): the unsampled right mass's change, and
         # F-GRPO's quantity, that mass's share of Q before the update
         "du_pos": statistics.fmean([g["U_pos_after"] - g["U_pos_before"] for g in groups] or [0]),
         "u_share": statistics.fmean([g["U_pos_before"] / g["q_before"] for g in with_q] or [0]),
@@ -372,7 +375,8 @@ def report(raw: Path) -> str:
     m = {a: [arm_measures(rows) for _, rows in sorted(seeds.items())]
          for a, seeds in arms_raw.items() if seeds}
     keys = ["dq", "q", *[f"pass@{k}" for k in PASS_K], "dpass@1024", "revived_window",
-            "revived_below", "stuck_dlog10q", "right_rose", "worst_drop", "entropy", "du_pos",
+            "revived_below", "stuck_dlog10q", "right_rose", "worst_drop", "worst_drop_max",
+            "entropy", "du_pos",
             "u_share", "rollouts", "updates", "steps", "cpu_s"]
     out += ["## The arms (mean over seeds, sd in brackets)", "",
             "| measure | " + " | ".join(f"{a} ({len(v)} seeds)" for a, v in m.items()) + " |",
@@ -396,7 +400,8 @@ def report(raw: Path) -> str:
                 f"{compare([x['dq'] for x in m['n512']], [x['dq'] for x in m['n16-long']])} |"]
         cpu = statistics.fmean(x["cpu_s"] for x in m["n512"])
         q16 = [at_cpu(x, cpu) - x["curve"][0][3] for x in m["n16-long"]]
-        out.append(f"| change of mean exact Q, n16-long at n512's mean CPU ({cpu:.0f} s) | "
+        out.append(f"| change of mean exact Q, n16-long at its last eval within n512's mean "
+                   f"training-clock CPU ({cpu:.0f} s) | "
                    f"{compare([x['dq'] for x in m['n512']], q16)} |")
     return "\n".join(out + [""])
 

@@ -111,7 +111,8 @@ def zones(log10_q: list) -> dict:
 
 
 def read_jsonl(path: Path) -> list:
-    """A raw file's rows; one line naming the file if it cannot be read."""
+    """The trunk's chunks.jsonl (not metrics rows: ablate.raw_rows reads those); one line naming
+    the file if it cannot be read."""
     try:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     except (OSError, ValueError) as e:
@@ -345,7 +346,7 @@ def report(raw: Path) -> str:
                     f"{x['log10_q_start']:.2f} -> {x['log10_q_branch']:.2f} "
                     f"({x['decades_per_100']:+.2f})" for x in rec["stuck"]), ""]
     for path in sorted(raw.glob("trunk*/metrics.jsonl")):
-        rows = read_jsonl(path)
+        rows = ablate.raw_rows(path)
         evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
         hi, plateau = math.log10(WINDOW[1]), path.parent / "plateau.json"
         if not plateau.is_file():
@@ -413,7 +414,7 @@ def figure(raw: Path, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    trunk_rows = read_jsonl(raw / "trunk" / "metrics.jsonl")
+    trunk_rows = ablate.raw_rows(raw / "trunk" / "metrics.jsonl")
     rec = json.loads((raw / "trunk" / "plateau.json").read_text())
     runs = ablate.read_raw(raw).get("arms", {})
     fig, grid = plt.subplots(2, 2, figsize=(12, 8))
@@ -471,9 +472,8 @@ def main(argv=None):
     for name in ("chunk", "max_steps", "window", "prompts", "jobs"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} {getattr(a, name)}: need >= 1")
-    for name in ("trunk_cap", "cap"):
-        if not (math.isfinite(getattr(a, name)) and getattr(a, name) > 0):
-            ap.error(f"--{name} {getattr(a, name)}: need a finite number of CPU seconds > 0")
+    ablate.finite_positive("--trunk_cap", a.trunk_cap)  # CPU seconds
+    ablate.finite_positive("--cap", a.cap)
     if min(a.seeds) < 0:
         ap.error(f"--seeds {a.seeds}: need seeds >= 0")
     out, raw = Path(a.out), Path(a.raw)
@@ -481,12 +481,16 @@ def main(argv=None):
         if not (raw / "trunk" / "plateau.json").is_file():
             sys.exit(f"revival_study --report: {raw / 'trunk' / 'plateau.json'} is missing: "
                      "nothing to report (run the trunk first)")
+        ablate.writable_dir("--raw", raw, files=("report.md", "revival.png"))
         text = report(raw)
         write_atomic(raw / "report.md", text)
         figure(raw, raw / "revival.png")
         print(text)
         return
-    out.mkdir(parents=True, exist_ok=True)
+    # The folders and every raw file already there checked before any run, as the other studies.
+    ablate.writable_dir("--raw", raw, files=("report.md", "revival.png"))
+    ablate.writable_dir("--out", out)
+    ablate.read_raw(raw)
     if a.only in (None, "trunk"):
         record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, a.window, a.prompts)
         print(json.dumps({k: v for k, v in record.items() if k != "stuck"}), flush=True)

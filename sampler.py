@@ -45,6 +45,17 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kernels import token_logprobs
 
+# A rollout's log-probs must not depend on which other rows share its decode steps. Two things in
+# a decode step depend on the chunk: its prompts' padding, and how many rows it decodes. A softmax
+# and a matrix product over padding sum in another order when the padding's length changes by
+# less than a vector's width, so prompts are padded to a multiple of PAD_TO; and a matrix product
+# of a handful of rows takes another path (this CPU: 1-3 rows on one thread, and fewer than 12 on
+# two, whose row split then changes), so a decode step never runs fewer than MIN_ROWS rows: a
+# small chunk decodes filler rows beside its own, and finished rows stay on as filler instead of
+# being dropped below MIN_ROWS.
+PAD_TO = 16
+MIN_ROWS = 16
+
 
 class SharedPrefixCache:
     """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
@@ -329,7 +340,7 @@ def prefill(model, prompt_ids) -> tuple:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         per_layer = ([[x] for x in kv] if per_layer is None
                      else [p + [x] for p, x in zip(per_layer, kv)])
-    P = max(len(ids) for ids in prompt_ids)
+    P = -(-max(len(ids) for ids in prompt_ids) // PAD_TO) * PAD_TO  # a multiple of PAD_TO
     pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
     # Per layer (B, Hkv, P, D).
     prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]),
@@ -351,21 +362,27 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     dev, cache_kw = model.device, cache_kwarg(model)
     gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
     counts = torch.tensor([hi - lo for _, lo, hi in parts], device=dev)  # (B,) rows per prompt
+    R = int(counts.sum())
+    # Filler rows, finished from the start, so that a step decodes >= MIN_ROWS rows; they join
+    # the last prompt's rows and are cut from the outputs.
+    fill = max(MIN_ROWS - R, 0)
+    counts[-1] += fill
 
     def uniforms():
         # (DRAWS_AHEAD, R): each prompt draws for all n_b of its rollouts, and this chunk keeps
         # its own part's.
         return torch.cat([torch.rand(DRAWS_AHEAD, n_b, generator=g, device=dev,
                                      dtype=torch.float64)[:, lo:hi]
-                          for g, (n_b, lo, hi) in zip(gens, parts)], 1)
+                          for g, (n_b, lo, hi) in zip(gens, parts)]
+                         + [torch.zeros(DRAWS_AHEAD, fill, device=dev, dtype=torch.float64)], 1)
 
     prefix_kv, first_logits, prompt_len, dtype = prefill(model, prompt_ids)
     cache = SharedPrefixCache(prefix_kv, prompt_len, counts, dtype)
     masks = {t: cache
              for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
-    # eos_id may be one id or several.
-    R, eos_ids = int(counts.sum()), torch.as_tensor(eos_id, device=dev)
+    # eos_id may be one id or several. Outputs have R + fill rows until the end.
+    R, eos_ids = R + fill, torch.as_tensor(eos_id, device=dev)
     tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T) outputs
     # (R, T) each.
     logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)
@@ -375,7 +392,7 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     # (r, 1) the position of each row's first new token.
     row_start = prompt_len.repeat_interleave(counts)[:, None]
     logits = first_logits.repeat_interleave(counts, 0)  # (r, V): its prompt's next-token logits
-    done = torch.zeros(R, dtype=torch.bool, device=dev)  # (r,) finished, not yet dropped
+    done = torch.arange(R, device=dev) >= R - fill  # (r,) finished, not yet dropped: the filler
     for t in range(max_new):
         if temperature and t % DRAWS_AHEAD == 0:
             u_ahead = uniforms()  # (DRAWS_AHEAD, R)
@@ -396,17 +413,21 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
         if n_done == len(done) or t == max_new - 1:
             break
         if 8 * n_done >= len(done):
-            # An eighth of the rows has finished: drop them (each drop copies the own KV).
+            # An eighth of the rows has finished: drop them (each drop copies the own KV), but
+            # keep MIN_ROWS rows, finished ones as filler.
             live = (~done).nonzero()[:, 0]  # (r',)
-            rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
-            cache.keep(live)
+            if len(live) < MIN_ROWS:
+                live = torch.cat([live, done.nonzero()[:, 0][: MIN_ROWS - len(live)]]).sort()[0]
+            if len(live) < len(done):
+                rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
+                cache.keep(live)
         out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks,
                     **{cache_kw: cache})
         cache.t += 1
         logits = out.logits[:, -1]  # (r, V)
     truncated = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,) dropped rows had finished
     truncated[rows] = ~done
-    return tokens, mask, logp, entropy, truncated
+    return tuple(x[: R - fill] for x in (tokens, mask, logp, entropy, truncated))
 
 
 def generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,

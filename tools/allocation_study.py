@@ -2,7 +2,9 @@
 allocation_study.py: --alloc adaptive against uniform breadth, at equal CPU seconds. Every run is a
 `python brorl.py` in a subprocess, one thread (OMP_NUM_THREADS=1, tools/ablate.py's thread_env),
 from the shipped warm start, trained for --budget seconds of process CPU time (--budget_clock cpu:
-another job's load cannot shorten it), evaluated at its start and its end only. Four arms with
+another job's load cannot shorten it), evaluated at its start, every 25 steps and at its end
+(adaptive and its control draw 512 rollouts a step, so they meet at equal rollouts at each
+evaluation). Four arms with
 B x N = 512, on the keys task (one right answer a prompt) and the sets task (16 right values a
 prompt, each rare), --seeds a arm:
 
@@ -73,7 +75,7 @@ TASKS = {
     "keys": ["--preset", "keys"],
     "sets": ["--preset", "sets", "--answer_prompts", "0"],
 }
-COMMON = ["--lr", "2e-4", "--save", "0", "--steps", "100000", "--eval_every", "100000",
+COMMON = ["--lr", "2e-4", "--save", "0", "--steps", "100000", "--eval_every", "25",
           "--probe_prompts", "4", "--probe_samples", "64", "--budget_clock", "cpu"]
 
 

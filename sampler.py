@@ -28,7 +28,9 @@ Each prompt's rollouts are drawn from its own seed: for every decode step, the p
 generator draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a
 time, whatever max_new is), so a rollout is a function of its prompt's seed and its place in the
 group alone, not of how prompts were chunked (max_rows), which rows were dropped, or which
-process drew them.
+process drew them. So are its log-probs, to the bit on this CPU (one thread or two): prompts are
+padded to a multiple of PAD_TO and a decode step runs at least MIN_ROWS rows, so that no sum's
+order follows the chunk (below).
 """
 
 import functools

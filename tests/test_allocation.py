@@ -7,6 +7,7 @@ uniform rule untouched."""
 import itertools
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -320,3 +321,40 @@ def test_allocation_study_refuses_bad_flags_and_its_control_gives_every_candidat
     assert n.tolist() == [16] * 32
     assert len(set(allocation.allocate(q, 512, adaptive.min_rollouts,
                                        adaptive.max_rollouts).tolist())) > 1
+
+
+def test_allocation_study_compares_at_equal_rollouts_by_hand(tmp_path):
+    """tools/allocation_study.equal_rollouts on hand-made runs: adaptive and its control measured
+    at the last step every run of the two evaluated (here 2: adaptive's second seed stopped
+    there), 512 rollouts a step; N=16's mean exact Q interpolated linearly at those rollouts
+    between its evaluations; an arm that never drew that many is left out."""
+    import json
+    from tools import allocation_study as study
+
+    def write(arm, seed, rows):
+        path = tmp_path / "keys" / arm / f"seed{seed}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    ev = lambda step, q, cpu, samples: {"step": step, "samples": samples, "mass_exact_mean": q,
+                                        "time_train_cpu": cpu}
+    plain = lambda step, samples: {"step": step, "samples": samples}
+    write("adaptive", 0, [ev(0, 0.1, 0, 0), plain(1, 512), ev(2, 0.3, 4, 512), ev(3, 0.5, 6, 512)])
+    write("adaptive", 1, [ev(0, 0.2, 0, 0), plain(1, 512), ev(2, 0.6, 5, 512)])
+    write("N=16-one-round", 0, [ev(0, 0.1, 0, 0), plain(1, 512), ev(2, 0.2, 3, 512)])
+    write("N=16-one-round", 1, [ev(0, 0.1, 0, 0), plain(1, 512), ev(2, 0.3, 5, 512),
+                                ev(3, 0.4, 7, 512)])
+    # N=16: 1,024 rollouts lie a quarter of the way from 800 (Q 0.3) to 1,696 rollouts (Q 0.5).
+    write("N=16", 0, [ev(0, 0.1, 0, 0), ev(1, 0.3, 2, 800), ev(2, 0.5, 4, 896)])
+    write("N=16", 1, [ev(0, 0.0, 0, 0), ev(1, 0.2, 2, 1024)])
+    write("N=512", 0, [ev(0, 0.1, 0, 0), ev(1, 0.2, 2, 1000)])  # never reaches 1,024
+    text = study.equal_rollouts(tmp_path)
+    assert "at 1,024 rollouts (step 2 of adaptive and its control)" in text
+    row = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines()
+           if line.startswith("| ") and " reach it " in line}
+    assert row["adaptive"][1:4] == ["2 of 2 reach it", "0.3 (0.141)", "4.5"]
+    assert row["N=16-one-round"][1:4] == ["2 of 2 reach it", "0.15 (0.0707)", "4.0"]
+    n16 = [0.3 + 0.2 * (1024 - 800) / 896 - 0.1, 0.2]
+    mean, sd = statistics.mean(n16), statistics.stdev(n16)
+    assert row["N=16"][1:4] == ["2 of 2 reach it", f"{mean:.3g} ({sd:.3g})", "-"]
+    assert row["N=512"][1:3] == ["0 of 1 reach it", "-"]

@@ -184,6 +184,71 @@ def report(raw: Path) -> str:
     return "\n".join(lines)
 
 
+def curve(rows: list) -> list:
+    """A run's evaluations: (rollouts drawn, step, training CPU s, mean exact Q) at each."""
+    out, drawn = [], 0
+    for r in rows:
+        drawn += r.get("samples", 0) if r["step"] > 0 else 0
+        if "mass_exact_mean" in r:
+            out.append((drawn, r["step"], r.get("time_train_cpu", 0.0), r["mass_exact_mean"]))
+    return out
+
+
+def at_rollouts(points: list, x: float):
+    """The mean exact Q of a curve at x rollouts, linear between its evaluations (None past its
+    last)."""
+    for (x0, _, _, q0), (x1, _, _, q1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return q0 + (q1 - q0) * (x - x0) / max(x1 - x0, 1)
+    return None
+
+
+def equal_rollouts(raw: Path) -> str:
+    """Every arm's change of mean exact Q at the rollouts adaptive and its control both reach:
+    the last evaluated step S of every run of the two (both draw 512 a step, so 512 S rollouts
+    each, measured at the same step); the uniform arms, whose steps draw unequal rollouts,
+    interpolated linearly between their evaluations at 512 S. Tests of adaptive against each."""
+    lines = []
+    for task, arms in ablate.read_raw(raw).items():
+        if task not in TASKS or not {"adaptive", "N=16-one-round"} <= set(arms):
+            continue
+        curves = {arm: {seed: curve(rows) for seed, rows in seeds.items()}
+                  for arm, seeds in arms.items() if arm in ARMS}
+        paired = [c for arm in ("adaptive", "N=16-one-round") for c in curves[arm].values()]
+        S = max(set.intersection(*({s for _, s, _, _ in c if s > 0} for c in paired)), default=0)
+        if not S:
+            continue
+        x = 512 * S
+        lines += [f"### {task}: at {x:,} rollouts (step {S} of adaptive and its control)", "",
+                  "| arm | runs | dQ mean (sd) | training CPU s to there | how |",
+                  "|---|---|---|---|---|"]
+        dq = {}
+        for arm, seeds in curves.items():
+            dq[arm], cpu = [], []
+            for c in seeds.values():
+                at = [p for p in c if p[1] == S and p[0] == x]
+                q = at[0][3] if at else at_rollouts(c, x)
+                if q is not None:
+                    dq[arm].append(q - c[0][3])
+                    cpu += [at[0][2]] if at else []
+            how = "measured at step S" if arm in ("adaptive", "N=16-one-round") else "interpolated"
+            cells = (f"{fmt(statistics.mean(dq[arm]))} ({fmt(statistics.stdev(dq[arm]))})"
+                     if len(dq[arm]) > 1 else "-")
+            cpu_cell = f"{statistics.mean(cpu):.1f}" if cpu else "-"
+            lines.append(f"| {arm} | {len(dq[arm])} of {len(seeds)} reach it | {cells} | "
+                         f"{cpu_cell} | {how} |")
+        lines += ["", "| adaptive vs | diff of means | Welch t, p | Mann-Whitney p |",
+                  "|---|---|---|---|"]
+        for other in [a for a in dq if a != "adaptive"]:
+            xs, ys = dq["adaptive"], dq[other]
+            if len(xs) > 1 and len(ys) > 1:
+                t, p = welch(xs, ys)
+                lines.append(f"| {other} | {fmt(statistics.mean(xs) - statistics.mean(ys))} | "
+                             f"{t:.2f}, {p:.3f} | {mann_whitney(xs, ys):.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def figure(raw: Path, path: Path):
     """Per task: each seed's mean exact Q gained per CPU second and informative groups per 1,000
     rollouts, by arm."""
@@ -351,7 +416,7 @@ def main(argv=None):
         with ThreadPoolExecutor(args.jobs) as pool:
             for line in pool.map(lambda x: run(*x, args.budget, Path(args.out), raw), todo):
                 print(line, flush=True)
-    text = report(raw)
+    text = report(raw) + "\n## At equal rollouts\n\n" + equal_rollouts(raw)
     print(text)
     (raw / "report").with_suffix(".md").write_text(text)  # the tables, as printed
     figure(raw, raw / "figure.png")

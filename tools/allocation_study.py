@@ -295,8 +295,10 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
                (a skewed spread of 4 to ~40 a prompt, as the study's steps show), the control's 16
                each; median of `repeats` interleaved repeats;
       step     `steps` training steps of each arm from the warm start (brorl.train, the training
-               clock time_train_cpu), with each step's mean rollout and update seconds (wall).
-    Returns {measure: {arm: value}}."""
+               clock time_train_cpu), with each step's mean rollout and update seconds (wall);
+      differ   of those steps' metrics rows, clock fields aside, the fields in which the adaptive
+               arm and its call per n differ, and how many were compared.
+    Returns {measure: {arm: value}}, and differ."""
     import random
     import time
     import torch
@@ -325,6 +327,8 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
            "step": {}, "rollout_s": {}, "update_s": {}}
     flags = {"adaptive": ARMS["adaptive"], "adaptive, a call per n": ARMS["adaptive"],
              "N=16-one-round": ARMS["N=16-one-round"]}
+    runs = {}  # arm: its metrics rows, clock fields aside
+    is_clock = lambda k: k.startswith("time_") or k == "tokens_per_s"
     with tempfile.TemporaryDirectory() as tmp:
         for name, arm_flags in flags.items():
             allocation.sample_candidates = (per_n(brorl.sample_groups) if "per n" in name
@@ -338,10 +342,16 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
             finally:
                 allocation.sample_candidates = one_call
             trained = [r for r in rows if r["step"] > 0]
+            runs[name] = [{k: v for k, v in r.items() if not is_clock(k)} for r in rows]
             out["step"][name] = sum(r["samples"] for r in trained) / trained[-1]["time_train_cpu"]
             out["rollout_s"][name] = statistics.mean(r["time_rollout"] for r in trained)
             out["update_s"][name] = statistics.mean(r["time_update"] for r in trained)
     out["n"] = n
+    # The one call against a call per n, the same run otherwise: (fields that differ, fields).
+    pairs = [(a.get(k), b.get(k)) for a, b in zip(runs["adaptive"],
+                                                  runs["adaptive, a call per n"])
+             for k in a.keys() | b.keys()]
+    out["differ"] = (sum(repr(x) != repr(y) for x, y in pairs), len(pairs))  # nan == nan
     return out
 
 
@@ -397,6 +407,8 @@ def main(argv=None):
                 print(f"  {measure:>7}: " + ", ".join(f"{k} {v:.0f}" for k, v in r[measure].items())
                       + f" | adaptive / control {ratio(r[measure], 'adaptive'):.2f}, a call per n"
                       f" / control {ratio(r[measure], 'adaptive, a call per n'):.2f}")
+            print(f"  the {args.speed} steps' metrics.jsonl, adaptive against a call per n, clock "
+                  f"fields aside: {r['differ'][0]} of {r['differ'][1]} fields differ")
             print("  a step's rollout / update wall s: " + ", ".join(
                 f"{k} {r['rollout_s'][k]:.2f} / {r['update_s'][k]:.2f}" for k in r["rollout_s"]),
                 flush=True)

@@ -356,10 +356,12 @@ def check_supported(model):
 
 def compiled_step(model, key):
     """The decode step for one static shape key, compiled on first use (torch.compile, inductor;
-    fullgraph: a graph break would be a silent slowdown)."""
+    fullgraph: a graph break would be a silent slowdown; on CUDA with CUDA graphs, mode
+    "reduce-overhead", each step's logits read before the next replay overwrites them)."""
     key = (id(model), *key)
     if key not in _STEPS:
-        _STEPS[key] = torch.compile(static_decode_step, fullgraph=True, dynamic=False)
+        mode = "reduce-overhead" if model.device.type == "cuda" else None
+        _STEPS[key] = torch.compile(static_decode_step, fullgraph=True, dynamic=False, mode=mode)
     return _STEPS[key]
 
 
@@ -425,7 +427,9 @@ def bench_compiled(path, device, dtype, cases, repeats, tok, params, threads, fl
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         floor = matmul_floor(device, dtype, *floor_shape)
-        print(f"\n== compiled decode step, {n_threads} thread(s), median of {repeats}; matmul "
+        where = (f"{torch.cuda.get_device_name()}, CUDA graphs" if device.type == "cuda"
+                 else f"{n_threads} thread(s)")
+        print(f"\n== compiled decode step, {where}, {dtype}, median of {repeats}; matmul "
               f"floor {floor:.1f} GFLOP/s")
         print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'compiled':>8} {'eager':>7} {'generate':>8} "
               f"tok/s | {'c/eager':>7} {'c/gen':>6} | compile s | c incl. compile | floor: c, "
@@ -621,7 +625,8 @@ def main(argv=None):
         return step_child(args)
     if args.save:
         return save_bench_model(Path(args.save), "tiny", torch.float32)
-    gpu, size = args.part == "gpu" or (args.part == "lora" and torch.cuda.is_available()), SIZES["tiny" if args.tiny else "full"]
+    gpu = args.part == "gpu" or (args.part in ("lora", "compiled") and torch.cuda.is_available())
+    size = SIZES["tiny" if args.tiny else "full"]
     if gpu and not torch.cuda.is_available() and not args.tiny:
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False); --tiny runs its driver on a CPU")
     device = torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
@@ -644,8 +649,8 @@ def main(argv=None):
               "backward) over it")
         if args.part == "lora":
             return bench_lora(path, device, dtype, args.repeats, params, floor)
-        if args.part == "compiled":  # at 1 and 2 threads (its own floors), or --threads alone
-            threads = [1, 2] if args.threads == 2 else [args.threads]
+        if args.part == "compiled":  # CPU: at 1 and 2 threads (their own floors), or --threads alone
+            threads = [1, 2] if args.threads == 2 and not gpu else [args.threads]
             return bench_compiled(path, device, dtype, size["compiled"], args.repeats, tok, params,
                                   threads, shape)
         if args.part in ("sampler", "all", "gpu"):

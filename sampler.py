@@ -364,10 +364,9 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     dev, cache_kw = model.device, cache_kwarg(model)
     gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
     counts = torch.tensor([hi - lo for _, lo, hi in parts], device=dev)  # (B,) rows per prompt
-    R = int(counts.sum())
     # Filler rows, finished from the start, so that a step decodes >= MIN_ROWS rows; they join
     # the last prompt's rows and are cut from the outputs.
-    fill = max(MIN_ROWS - R, 0)
+    fill = max(MIN_ROWS - sum(hi - lo for _, lo, hi in parts), 0)
     counts[-1] += fill
 
     def uniforms():
@@ -383,8 +382,9 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
     masks = {t: cache
              for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
-    # eos_id may be one id or several. Outputs have R + fill rows until the end.
-    R, eos_ids = R + fill, torch.as_tensor(eos_id, device=dev)
+    # eos_id may be one id or several. R rows decode, the fill last among them, and leave at the
+    # end.
+    R, eos_ids = int(counts.sum()), torch.as_tensor(eos_id, device=dev)
     tokens = torch.full((R, max_new), pad_id, dtype=torch.long, device=dev)  # (R, T) outputs
     # (R, T) each.
     logp, entropy = torch.zeros(R, max_new, device=dev), torch.zeros(R, max_new, device=dev)
@@ -414,15 +414,14 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
         n_done = int(done.sum())  # the decode loop's one host sync per token
         if n_done == len(done) or t == max_new - 1:
             break
-        if 8 * n_done >= len(done):
+        if len(done) > MIN_ROWS and 8 * n_done >= len(done):
             # An eighth of the rows has finished: drop them (each drop copies the own KV), but
-            # keep MIN_ROWS rows, finished ones as filler.
-            live = (~done).nonzero()[:, 0]  # (r',)
-            if len(live) < MIN_ROWS:
-                live = torch.cat([live, done.nonzero()[:, 0][: MIN_ROWS - len(live)]]).sort()[0]
-            if len(live) < len(done):
-                rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
-                cache.keep(live)
+            # keep MIN_ROWS rows, the first finished ones as filler. A stable sort puts the rows
+            # still decoding first, each group in order: no host sync beyond n_done.
+            keep = max(len(done) - n_done, MIN_ROWS)
+            live = torch.sort(torch.argsort(done.byte(), stable=True)[:keep])[0]  # (r',)
+            rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
+            cache.keep(live)
         out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks,
                     **{cache_kw: cache})
         cache.t += 1

@@ -34,7 +34,7 @@ from lib import distributed
 import kernels
 from lib import policy
 from lib.config import fail
-from sampler import encode_prompt
+from sampler import MIN_ROWS, PAD_TO, encode_prompt
 
 GB = 2**30
 # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
@@ -154,9 +154,12 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     # rollout: the largest chunk of training, eval (top_p 0.95) and probe sampling
     def chunk(rows, top_p, prompts):
         cap = kv_capacity(T)
+        # A decode step runs >= MIN_ROWS rows (filler rows beside a small chunk's), its prompts
+        # padded to a multiple of PAD_TO tokens (sampler.py).
+        rows = max(rows, MIN_ROWS)
         # + one layer doubling
         kv = L * rows * nkv * hd * 2 * c * cap + rows * nkv * hd * 2 * c * cap // 2
-        prefix = L * prompts * nkv * hd * 2 * c * P
+        prefix = L * prompts * nkv * hd * 2 * c * (-(-P // PAD_TO) * PAD_TO)
         return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
                 # 17 bytes a token: int64 token, bool mask, fp32 logp, entropy.
@@ -240,7 +243,8 @@ def peaks(table: dict) -> dict:
 
 def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     """(max_rows, micro_batch): the largest not above cfg's that fit memory_bytes (one rank's) in
-    both phases; or a string, one line naming what to lower, when even one row does not fit."""
+    both phases; or a string, one line naming what to lower, when even the smallest chunk does
+    not fit."""
     import dataclasses
     plan_k = lambda c: plan(mc, c, prompt_tokens, world_size)
     over = lambda c, phase: peaks(plan_k(c))[phase] > memory_bytes
@@ -249,7 +253,8 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     rows = fit_rows(mc, cfg, prompt_tokens, memory_bytes, world_size)
     if rows is None:
         one = peaks(plan_k(dataclasses.replace(cfg, max_rows=1)))["rollout"]
-        return (f"--memory_gb {memory_bytes / GB:g}: even one rollout row needs {gib(one)} "
+        return (f"--memory_gb {memory_bytes / GB:g}: even the smallest rollout chunk "
+                f"({MIN_ROWS} rows decoding) needs {gib(one)} "
                 f"(lower --max_new_tokens or --eval_samples, or use a smaller --model)")
     mb = cfg.micro_batch
     while mb > 1 and over(dataclasses.replace(cfg, max_rows=rows, micro_batch=mb), "update"):
@@ -264,10 +269,13 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
 
 def fit_rows(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     """The largest max_rows not above cfg's whose rollout fits memory_bytes, or None: whole groups
-    (multiples of N, adaptive: of its ceiling) down to one group, then powers of two below N."""
+    (multiples of N, adaptive: of its ceiling) down to one group, then powers of two below N, none
+    below MIN_ROWS (the sampler decodes that many rows in any chunk)."""
     N = most_rollouts(cfg)
     powers = (2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))
     options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)), *powers}, reverse=True)
+    # Below MIN_ROWS the sampler decodes MIN_ROWS rows all the same: no smaller option saves memory.
+    options = [x for x in options if x >= MIN_ROWS] or options[:1]
     fits = lambda x: peaks(plan(mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens,
                                 world_size))["rollout"] <= memory_bytes
     return next((x for x in options if x <= cfg.max_rows and fits(x)), None)

@@ -327,8 +327,8 @@ def test_allocation_study_compares_at_equal_rollouts_by_hand(tmp_path):
     """tools/allocation_study.equal_rollouts on hand-made runs: adaptive and its control measured
     at the last step every run of the two evaluated (here 2: adaptive's second seed stopped
     there), 512 rollouts a step; N=16's mean exact Q interpolated linearly at those rollouts
-    between its evaluations; an arm that never drew that many is left out."""
-    import json
+    between its evaluations; an arm that never drew that many is left out; a run without a
+    step-0 evaluation is refused."""
     from tools import allocation_study as study
 
     def write(arm, seed, rows):
@@ -358,3 +358,10 @@ def test_allocation_study_compares_at_equal_rollouts_by_hand(tmp_path):
     mean, sd = statistics.mean(n16), statistics.stdev(n16)
     assert row["N=16"][1:4] == ["2 of 2 reach it", f"{mean:.3g} ({sd:.3g})", "-"]
     assert row["N=512"][1:3] == ["0 of 1 reach it", "-"]
+    assert row["adaptive"][4] == "measured at step S |" and row["N=16"][4] == "interpolated |"
+    # The control's step-100 comparison with N=16: the report tests it too.
+    assert "| N=16-one-round | N=16 | " in text
+    # A run with no evaluation at step 0 has no start to measure from: one line, no table.
+    write("N=16", 1, [plain(1, 512), ev(2, 0.2, 2, 1024)])
+    with pytest.raises(SystemExit):
+        study.equal_rollouts(tmp_path)

@@ -112,7 +112,7 @@ NEW_RUN = [
     (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
     (["--task", "math:{tmp}/dup.jsonl", "--eval_task", "math:{tmp}/dup.jsonl"], "37 of its 40 prompts are in --task's training set"),
     (["--model", "{nan_model}"], "holds NaN or inf"),
-    (["--memory_gb", "0.00001"], "even one rollout row needs 7.3 MB"),  # not "0.0 GB"
+    (["--memory_gb", "0.00001"], "the smallest rollout chunk (16 rows decoding) needs 9.1 MB"),
     (["--init_from", "{run}", "--resume", "{run}"], "--init_from starts a new run from a checkpoint; --resume continues one: not both"),
     # a flag the preset set, not the user: said so
     (["--preset", "sets", "--task", "keys"], "needs --task sets (an answer space small enough to enumerate) "

@@ -143,15 +143,20 @@ def test_decode_loop_syncs_with_the_host_once_per_token(monkeypatch):
     monkeypatch.setattr(sampler.SharedPrefixCache, "keep",
                         lambda self, rows: (counts.__setitem__("drops", counts["drops"] + 1), real_keep(self, rows)))
     prompt_ids = [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]]
-    run = lambda max_new: sampler.generate_group_chunk(model.eval(), prompt_ids, [1, 2], [(16, 0, 16)] * 2, max_new, 1.0,
-                                                       1.0, [tok.eos_token_id], tok.pad_token_id)
-    run(1)  # the prefill and setup alone, once per chunk
-    setup, counts["sync"] = counts["sync"], 0
-    out = run(40)
-    steps = int(out[1].any(0).sum())  # decoded tokens (loop iterations)
-    assert counts["drops"] >= 1 and steps > 8
-    # one per token, plus the setup's and each drop's two (its nonzero and the grid's size)
-    assert counts["sync"] - setup <= steps + 2 * counts["drops"], (counts, setup, steps)
+    # Groups of 16 (rows dropped as they finish, down to sampler.MIN_ROWS), 8 and 4 (a chunk of 16
+    # and one of 8 rows with filler: nothing to drop, so nothing to sync beyond a token's one).
+    for n, dropping in ((16, True), (8, False), (4, False)):
+        run = lambda max_new: sampler.generate_group_chunk(
+            model.eval(), prompt_ids, [1, 2], [(n, 0, n)] * 2, max_new, 1.0, 1.0,
+            [tok.eos_token_id], tok.pad_token_id)
+        run(1)  # the prefill and setup alone, once per chunk
+        setup, counts["sync"], counts["drops"] = counts["sync"], 0, 0
+        out = run(40)
+        steps = int(out[1].any(0).sum())  # decoded tokens (loop iterations)
+        assert (counts["drops"] >= 1) == dropping and steps > 8, (n, counts)
+        # One per token, plus the setup's and each drop's one (the grid's size).
+        assert counts["sync"] - setup <= steps + counts["drops"], (n, counts, setup, steps)
+        counts["sync"] = 0
 
 
 def test_texts_are_each_rows_real_tokens():

@@ -158,8 +158,11 @@ def test_each_prompts_own_n_in_one_call_equals_one_call_per_n(random_lm, threads
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        prompts, seeds = PROMPTS * 3, list(range(100, 112))
-        for sizes in ([1, 2, 7, 1, 3, 1, 9, 2, 4, 1, 1, 2], [16, 5, 30, 4, 4, 12, 17, 40, 4, 5, 6, 6]):
+        # Prompts of 1 to 33 tokens: padded to 16, 32 or 48 by the chunk's longest.
+        prompts = PROMPTS * 2 + ["1234567890+1234567890=", "9" * 33, "5", "77+1="]
+        seeds = list(range(100, 112))
+        sizes_of = ([1, 2, 7, 1, 3, 1, 9, 2, 4, 1, 1, 2], [16, 5, 30, 4, 4, 12, 17, 40, 4, 5, 6, 6])
+        for sizes in sizes_of:
             runs = {}
             for max_rows in (4096, 5):
                 one = runs[max_rows] = brorl.generate(model, tok, prompts, sizes, 8, 1.3, 1.0,

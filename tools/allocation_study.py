@@ -16,7 +16,8 @@ prompt, each rare), --seeds a arm:
 
 Only adaptive and its control draw exactly 512 rollouts a step. A uniform round asks for
 ceil(B / keep rate) prompts, at most 4B, and further rounds follow until B groups survive (in the
-committed runs a median of about 1,300-1,600 rollouts a step at N = 16, 1,024 at N = 512); so
+committed runs about 1,700 (keys) and 1,360 (sets) rollouts a step at N = 16, 1,030-1,290 at
+N = 512); so
 uniform with --max_rounds 1 would still draw up to 4B x N a step, which is why the control is
 written as an allocation of 16 to every candidate. Both train on the groups that survive
 dynamic sampling, without refilling.
@@ -32,9 +33,9 @@ test and Welch's t on the per-seed values (tools/theorem1_study.py's). Raw resul
 metrics.jsonl, copied to <raw>/<task>/<arm>/seed<S>.jsonl as it ends; a rerun skips the runs
 whose raw file exists (so a rerun after a change of the code goes to a new --raw).
 
-CPU: about 45 CPU s a run with the defaults (30 s of training, start-up and two evaluations),
-4 arms x 2 tasks x 5 seeds = 40 runs: about 30 CPU minutes (printed before it starts); --jobs 2
-runs two at once.
+CPU: about 65 CPU s a run with the defaults (30 s of training, start-up and 3-7 evaluations),
+4 arms x 2 tasks x 5 seeds = 40 runs: about 45 CPU minutes (printed before it starts); --jobs 2
+runs two at once (the committed study: 22 minutes).
 
 --speed S measures, without the study, rollouts per CPU second (one thread) of S training steps
 of the adaptive arm, of the same arm with its rollouts sampled in one call per distinct n (how the
@@ -61,7 +62,7 @@ from tools import ablate
 from tools.theorem1_study import mann_whitney, welch
 
 HERE = Path(__file__).resolve().parent.parent
-RAW = HERE / "assets" / "allocation"
+RAW = HERE / "assets" / "allocation-1call"  # the first study: assets/allocation
 ARMS = {  # name: flags; B x N (adaptive: R) = 512 in every arm
     "adaptive": ["--alloc", "adaptive", "--prompts_per_step", "32", "--rollout_budget", "512",
                  "--min_rollouts", "4", "--max_rollouts", "256"],
@@ -143,6 +144,13 @@ def read(raw: Path) -> dict:
                    for arm, seeds in arms.items()} for task, arms in runs.items()}
 
 
+def compared(arms) -> list:
+    """The pairs of arms a report tests: adaptive against every other arm, and its control against
+    uniform N = 16 (is the one-round step what differs from it?); those present."""
+    pairs = [("adaptive", x) for x in arms if x != "adaptive"] + [("N=16-one-round", "N=16")]
+    return [(a, b) for a, b in pairs if a in arms and b in arms]
+
+
 KEYS = ["steps", "rollouts", "cpu_s", "dQ", "dQ_per_1k", "dQ_per_cpu_s", "gate_lifted",
         "never_right", "never_right_dlog10", "informative_per_1k"]
 
@@ -166,19 +174,18 @@ def report(raw: Path) -> str:
                 cells.append(f"{fmt(statistics.mean(xs))} ({fmt(sd)})" if xs else "-")
             seed_list = ",".join(map(str, sorted(seeds)))
             lines.append(f"| {arm} | {seed_list} | " + " | ".join(cells) + " |")
-        lines += ["", "| measure | adaptive vs | diff of means | Welch t, p | Mann-Whitney p |",
-                  "|---|---|---|---|---|"]
-        a = arms.get("adaptive", {})
-        for other in [x for x in arms if x != "adaptive"]:
+        lines += ["", "| measure | arm | vs | diff of means | Welch t, p | Mann-Whitney p |",
+                  "|---|---|---|---|---|---|"]
+        for arm, other in compared(arms):
             for k in ("dQ", "dQ_per_1k", "dQ_per_cpu_s", "gate_lifted", "never_right",
                       "never_right_dlog10", "informative_per_1k"):
-                xs = [m[k] for m in a.values() if k in m]
+                xs = [m[k] for m in arms[arm].values() if k in m]
                 ys = [m[k] for m in arms[other].values() if k in m]
                 if len(xs) < 2 or len(ys) < 2:
                     continue
                 t, p = welch(xs, ys)
                 diff = statistics.mean(xs) - statistics.mean(ys)
-                lines.append(f"| {k} | {other} | {fmt(diff)} | {t:.2f}, {p:.3f} | "
+                lines.append(f"| {k} | {arm} | {other} | {fmt(diff)} | {t:.2f}, {p:.3f} | "
                              f"{mann_whitney(xs, ys):.3f} |")
         lines.append("")
     return "\n".join(lines)
@@ -214,9 +221,16 @@ def equal_rollouts(raw: Path) -> str:
             continue
         curves = {arm: {seed: curve(rows) for seed, rows in seeds.items()}
                   for arm, seeds in arms.items() if arm in ARMS}
+        for arm, seeds in curves.items():
+            for seed, c in seeds.items():
+                if not c or c[0][1] != 0:
+                    fail(f"--raw {raw}: {task}/{arm}/seed{seed}.jsonl has no evaluation at step 0 "
+                         "(mass_exact_mean): no start to measure a change from")
         paired = [c for arm in ("adaptive", "N=16-one-round") for c in curves[arm].values()]
         S = max(set.intersection(*({s for _, s, _, _ in c if s > 0} for c in paired)), default=0)
         if not S:
+            lines += [f"### {task}: no step after 0 evaluated in every run of adaptive and its "
+                      "control", ""]
             continue
         x = 512 * S
         lines += [f"### {task}: at {x:,} rollouts (step {S} of adaptive and its control)", "",
@@ -224,27 +238,28 @@ def equal_rollouts(raw: Path) -> str:
                   "|---|---|---|---|---|"]
         dq = {}
         for arm, seeds in curves.items():
-            dq[arm], cpu = [], []
+            dq[arm], cpu, hows = [], [], set()
             for c in seeds.values():
-                at = [p for p in c if p[1] == S and p[0] == x]
+                at = [p for p in c if p[1] == S and p[0] == x]  # evaluated at exactly x
                 q = at[0][3] if at else at_rollouts(c, x)
                 if q is not None:
                     dq[arm].append(q - c[0][3])
                     cpu += [at[0][2]] if at else []
-            how = "measured at step S" if arm in ("adaptive", "N=16-one-round") else "interpolated"
+                    hows.add("measured at step S" if at else "interpolated")
+            how = " or ".join(sorted(hows)) or "-"
             cells = (f"{fmt(statistics.mean(dq[arm]))} ({fmt(statistics.stdev(dq[arm]))})"
                      if len(dq[arm]) > 1 else "-")
             cpu_cell = f"{statistics.mean(cpu):.1f}" if cpu else "-"
             lines.append(f"| {arm} | {len(dq[arm])} of {len(seeds)} reach it | {cells} | "
                          f"{cpu_cell} | {how} |")
-        lines += ["", "| adaptive vs | diff of means | Welch t, p | Mann-Whitney p |",
-                  "|---|---|---|---|"]
-        for other in [a for a in dq if a != "adaptive"]:
-            xs, ys = dq["adaptive"], dq[other]
+        lines += ["", "| arm | vs | diff of means | Welch t, p | Mann-Whitney p |",
+                  "|---|---|---|---|---|"]
+        for arm, other in compared(dq):
+            xs, ys = dq[arm], dq[other]
             if len(xs) > 1 and len(ys) > 1:
                 t, p = welch(xs, ys)
-                lines.append(f"| {other} | {fmt(statistics.mean(xs) - statistics.mean(ys))} | "
-                             f"{t:.2f}, {p:.3f} | {mann_whitney(xs, ys):.3f} |")
+                lines.append(f"| {arm} | {other} | {fmt(statistics.mean(xs) - statistics.mean(ys))}"
+                             f" | {t:.2f}, {p:.3f} | {mann_whitney(xs, ys):.3f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -371,8 +386,8 @@ def check_flags(p, args):
 
 
 # A run's CPU seconds besides its --budget of training: start-up and the two evaluations
-# (the committed runs: about 45 CPU s a run at --budget 30).
-RUN_OVERHEAD_CPU_S = 15
+# (the committed runs: about 65 s a run at --budget 30, one thread each, two at once).
+RUN_OVERHEAD_CPU_S = 35
 
 
 def main(argv=None):

@@ -22,7 +22,9 @@ Parts:
            for N in {16, 64, 256, 512} at a fixed number of samples per step.
   compiled the sampler's decode step compiled (static_decode_chunk below: a static cache and
            rows, torch.compile) against the eager sampler and generate, at (512, 16, 32), at 1 and 2
-           threads, the compile timed and also counted in a rate (not part of "all").
+           threads, the compile timed and also counted in a rate (not part of "all"); then, on a
+           CPU, a whole rl_step (2 x 64 rollouts) with its norms and gated MLPs compiled
+           (compile_pointwise) against eager: the update's forward and backward so treated.
   lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
            (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
            against merged into the weights (peft's merge_adapter), and without an adapter;
@@ -283,8 +285,10 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
 # biases, SwiGLU MLP), full attention, default rotary. Equal to the eager loop to fp32 rounding
 # (tests/test_sampler.py): the same greedy tokens, log-probs within rounding.
 
-# Compiled steps by (model, R, B, P, max_new, dtype): one compile each, reused by every call.
-_STEPS = {}
+# Compiled steps by (model, R, B, P, max_new, dtype): one compile each, reused by every call; and
+# their caches, allocated once: CUDA graphs replay a step only if the tensors it writes in place
+# stay at one address (marked static), else torch.compile skips them.
+_STEPS, _CACHES = {}, {}
 
 
 def rotate_half(x):
@@ -385,9 +389,17 @@ def static_decode_chunk(model, prompt_ids, seeds, n, max_new, temperature, top_p
     # (B, 1, 1, P): -inf on each prompt's padding.
     pad_bias = torch.zeros(B, P, device=dev).masked_fill(col >= prompt_len[:, None], -math.inf)[
         :, None, None].to(dtype)
-    # Per layer (R, Hkv, T, D): each row's own keys and values, zero before they are written.
-    ks = [torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
-    vs = [torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
+    # Per layer (R, Hkv, T, D): each row's own keys and values, zero before they are written; one
+    # pair a compiled shape, reused.
+    key = (id(model), R, B, P, T, dtype)
+    if key not in _CACHES or not compiled:
+        _CACHES[key] = [[torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
+                        for _ in "kv"]
+        for x in _CACHES[key][0] + _CACHES[key][1]:
+            torch._dynamo.mark_static_address(x)
+    ks, vs = _CACHES[key]
+    for x in ks + vs:
+        x.zero_()
     step = compiled_step(model, (R, B, P, T, dtype)) if compiled else static_decode_step
     eos_ids = torch.as_tensor(eos_id, device=dev)
     tokens = torch.full((R, T), pad_id, dtype=torch.long, device=dev)  # (R, T)
@@ -444,12 +456,66 @@ def bench_compiled(path, device, dtype, cases, repeats, tok, params, threads, fl
                      for k, runs in interleaved(contenders, repeats).items()}
             tps = {k: n * new / statistics.median(v) for k, v in times.items()}
             counted = n * new * repeats / (sum(times["compiled"]) + compile_s)
+            if device.type == "cuda":  # Did the graphs replay, or did torch.compile skip them?
+                from torch._dynamo.utils import counters
+                print(f"CUDA graphs skipped by torch.compile: "
+                      f"{counters['inductor']['cudagraph_skips']} time(s) (0: they replayed)")
             share = {k: pct(model_gflop(params, v) / floor) for k, v in tps.items()}
             print(f"{n:>5} {p:>6} {new:>4} | {tps['compiled']:>8.0f} {tps['eager']:>7.0f} "
                   f"{tps['generate']:>8.0f}       | {tps['compiled'] / tps['eager']:>6.2f}x "
                   f"{tps['compiled'] / tps['generate']:>5.2f}x | {compile_s:>9.1f} | "
                   f"{counted:>9.0f} tok/s | {share['compiled']}, {share['eager']}, "
                   f"{share['generate']}")
+
+
+def compile_pointwise(model):
+    """Compile the parts of each decoder layer that are elementwise work around matmuls (RMSNorms,
+    the gated MLP), dynamic shapes: the same treatment as the decode step, for the update's
+    forward and backward, whose shapes change every micro-batch. In place; returns the model."""
+    for layer in model.model.layers:
+        for part in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
+            part.compile(dynamic=True)
+    model.model.norm.compile(dynamic=True)
+    return model
+
+
+def bench_compiled_update(path, n, new, micro_batch, steps, threads):
+    """rl_step (2 prompts x n, `new` tokens, nothing dropped) with compile_pointwise against eager,
+    in one process, steps interleaved: each arm's median rollout and update seconds over `steps`
+    steps after a warm-up step (the compiled arm's warm-up includes its compile)."""
+    device = torch.device("cpu")
+    tok = NeverEos(AutoTokenizer.from_pretrained(path))
+    examples = [dict(e, task="arith") for e in json.loads((path / "prompts.json").read_text())]
+    cfg = brorl.Config(model=str(path), n_rollouts=n, prompts_per_step=len(examples),
+                       max_new_tokens=new, dynamic_sampling=False, micro_batch=micro_batch)
+    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        arms = {}
+        for name in ("eager", "compiled"):
+            model = load_model(path, "brorl", device, torch.float32)
+            model.generation_config.eos_token_id = None  # every rollout runs to `new` tokens
+            model = compile_pointwise(model) if name == "compiled" else model
+            arms[name] = dict(model=model, rng=random.Random(0),
+                              opt=torch.optim.AdamW(model.parameters(), lr=cfg.lr),
+                              gen=torch.Generator().manual_seed(0), rows=[])
+        step = lambda a, i: brorl.rl_step(a["model"], a["model"], None, a["opt"], tok, cfg,
+                                          examples, a["rng"], i, a["gen"], 1.0)
+        warm = {name: timed(lambda: step(a, 0))[0] for name, a in arms.items()}
+        for i in range(1, 1 + steps):
+            for a in arms.values():
+                m = step(a, i)
+                a["rows"].append((m["time_rollout"], m["time_update"]))
+        med = {name: [statistics.median(x) for x in zip(*a["rows"])] for name, a in arms.items()}
+        (er, eu), (cr, cu) = med["eager"], med["compiled"]
+        print(f"\n== the step with its norms and gated MLPs compiled (dynamic shapes), "
+              f"{n_threads} thread(s): 2 prompts x {n}, {new} new, micro_batch {micro_batch}, "
+              f"median of {steps} steps")
+        print(f"eager: rollout {er:.3f} s, update {eu:.3f} s (warm-up step {warm['eager']:.1f} s)")
+        print(f"compiled: rollout {cr:.3f} s, update {cu:.3f} s (warm-up step with the compile "
+              f"{warm['compiled']:.1f} s)")
+        print(f"compiled / eager speed: rollout {er / cr:.2f}x, update {eu / cu:.2f}x, step "
+              f"{(er + eu) / (cr + cu):.2f}x")
 
 
 # ----------------------------------------------------------------------------
@@ -651,8 +717,12 @@ def main(argv=None):
             return bench_lora(path, device, dtype, args.repeats, params, floor)
         if args.part == "compiled":  # CPU: at 1 and 2 threads (their own floors), or --threads alone
             threads = [1, 2] if args.threads == 2 and not gpu else [args.threads]
-            return bench_compiled(path, device, dtype, size["compiled"], args.repeats, tok, params,
-                                  threads, shape)
+            bench_compiled(path, device, dtype, size["compiled"], args.repeats, tok, params,
+                           threads, shape)
+            if device.type == "cpu":  # the update with the same treatment
+                bench_compiled_update(path, size["step_ns"][0], size["step_new"],
+                                      args.micro_batch, max(args.steps, 5), threads)
+            return
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor)
         if args.part in ("varlen", "all", "gpu"):

@@ -28,9 +28,9 @@ Each prompt's rollouts are drawn from its own seed: for every decode step, the p
 generator draws one uniform for each of its n rollouts, finished or not (DRAWS_AHEAD steps at a
 time, whatever max_new is), so a rollout is a function of its prompt's seed and its place in the
 group alone, not of how prompts were chunked (max_rows), which rows were dropped, or which
-process drew them. So are its log-probs, to the bit on this CPU (one thread or two): prompts are
-padded to a multiple of PAD_TO and a decode step runs at least MIN_ROWS rows, so that no sum's
-order follows the chunk (below).
+process drew them. So are its log-probs, to the bit on the x86_64 CPU it is tested on (one thread
+or two): prompts are padded to a multiple of PAD_TO and a decode step runs at least MIN_ROWS rows,
+so that no sum's order follows the chunk (below).
 """
 
 import functools
@@ -51,7 +51,7 @@ from kernels import token_logprobs
 # a decode step depend on the chunk: its prompts' padding, and how many rows it decodes. A softmax
 # and a matrix product over padding sum in another order when the padding's length changes by
 # less than a vector's width, so prompts are padded to a multiple of PAD_TO; and a matrix product
-# of a handful of rows takes another path (this CPU: 1-3 rows on one thread, and fewer than 12 on
+# of a handful of rows takes another path (the tested CPU: 1-3 rows on one thread, fewer than 12 on
 # two, whose row split then changes), so a decode step never runs fewer than MIN_ROWS rows: a
 # small chunk decodes filler rows beside its own, and finished rows stay on as filler instead of
 # being dropped below MIN_ROWS.

@@ -269,13 +269,15 @@ def fit(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
 
 def fit_rows(mc, cfg, prompt_tokens: int, memory_bytes: float, world_size: int = 1):
     """The largest max_rows not above cfg's whose rollout fits memory_bytes, or None: whole groups
-    (multiples of N, adaptive: of its ceiling) down to one group, then powers of two below N, none
-    below MIN_ROWS (the sampler decodes that many rows in any chunk)."""
+    (multiples of N, adaptive: of its ceiling) down to one group, then powers of two below N, and of
+    those below MIN_ROWS only the largest (the sampler decodes MIN_ROWS rows in any chunk)."""
     N = most_rollouts(cfg)
     powers = (2**j for j in range(int(math.log2(min(N, cfg.max_rows))) + 1))
     options = sorted({*(k * N for k in range(1, cfg.max_rows // N + 1)), *powers}, reverse=True)
-    # Below MIN_ROWS the sampler decodes MIN_ROWS rows all the same: no smaller option saves memory.
-    options = [x for x in options if x >= MIN_ROWS] or options[:1]
+    # Below MIN_ROWS the sampler decodes MIN_ROWS rows all the same: of the smaller options only the
+    # largest is kept, which costs MIN_ROWS rows (less than the next larger option may).
+    options = ([x for x in options if x >= MIN_ROWS]
+               + [x for x in options if x < MIN_ROWS][:1])
     fits = lambda x: peaks(plan(mc, dataclasses.replace(cfg, max_rows=x), prompt_tokens,
                                 world_size))["rollout"] <= memory_bytes
     return next((x for x in options if x <= cfg.max_rows and fits(x)), None)

@@ -279,6 +279,24 @@ def test_two_processes_equal_one_under_adaptive(tmp_path):
     assert rel_diff(weights(one), weights(two)) <= 1e-4
 
 
+def test_planner_plans_min_rows_and_keeps_the_cheapest_small_option():
+    """The sampler decodes at least sampler.MIN_ROWS rows, its prompts padded to PAD_TO tokens: a
+    plan of fewer rows costs MIN_ROWS rows, and fit_rows still offers the largest option below
+    MIN_ROWS (N = 12: 12 rows, which decode 16), cheaper than the next one up (24 rows)."""
+    import dataclasses
+    import sampler
+    from lib import planner
+    from transformers import Qwen2Config
+    mc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    cfg = brorl.Config(n_rollouts=12, max_rows=30)
+    peak = lambda rows: planner.peaks(planner.plan(mc, dataclasses.replace(cfg, max_rows=rows),
+                                                   8))["rollout"]
+    assert peak(1) == peak(12) == peak(sampler.MIN_ROWS) < peak(24)
+    assert planner.fit_rows(mc, cfg, 8, (peak(12) + peak(24)) / 2) == 12
+    assert planner.fit_rows(mc, cfg, 8, peak(12) - 1) is None
+
+
 def test_planner_plans_adaptive_with_its_ceiling():
     """--alloc adaptive: the planner's training chunk and update hold up to --max_rollouts rows a
     prompt and R rows in all, not N a prompt: with N = 512 (the default) and a ceiling of 8, both

@@ -364,7 +364,7 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     out["n"] = n
     # The one call against a call per n, the same run otherwise: (fields that differ, fields).
     pairs = [(a.get(k), b.get(k)) for a, b in zip(runs["adaptive"],
-                                                  runs["adaptive, a call per n"])
+                                                  runs["adaptive, a call per n"], strict=True)
              for k in a.keys() | b.keys()]
     out["differ"] = (sum(repr(x) != repr(y) for x, y in pairs), len(pairs))  # nan == nan
     return out

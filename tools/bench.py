@@ -24,7 +24,9 @@ Parts:
            rows, torch.compile) against the eager sampler and generate, at (512, 16, 32), at 1 and 2
            threads, the compile timed and also counted in a rate (not part of "all"); then, on a
            CPU, a whole rl_step (2 x 64 rollouts) with its norms and gated MLPs compiled
-           (compile_pointwise) against eager: the update's forward and backward so treated.
+           (compile_pointwise) against eager: the update's forward and backward so treated. On a
+           machine with CUDA it runs there instead (bf16, the 0.5b model, CUDA graphs; the
+           decode step only); CUDA_VISIBLE_DEVICES= keeps it on the CPU.
   lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
            (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
            against merged into the weights (peft's merge_adapter), and without an adapter;
@@ -391,13 +393,14 @@ def static_decode_chunk(model, prompt_ids, seeds, n, max_new, temperature, top_p
         :, None, None].to(dtype)
     # Per layer (R, Hkv, T, D): each row's own keys and values, zero before they are written; one
     # pair a compiled shape, reused.
-    key = (id(model), R, B, P, T, dtype)
-    if key not in _CACHES or not compiled:
-        _CACHES[key] = [[torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
-                        for _ in "kv"]
+    new = lambda: [[torch.zeros(R, Hkv, T, D, dtype=dtype, device=dev) for _ in pks]
+                   for _ in "kv"]
+    key = (id(model), dev, R, B, P, T, Hkv, D, len(pks), dtype)
+    if compiled and key not in _CACHES:
+        _CACHES[key] = new()
         for x in _CACHES[key][0] + _CACHES[key][1]:
             torch._dynamo.mark_static_address(x)
-    ks, vs = _CACHES[key]
+    ks, vs = _CACHES[key] if compiled else new()
     for x in ks + vs:
         x.zero_()
     step = compiled_step(model, (R, B, P, T, dtype)) if compiled else static_decode_step

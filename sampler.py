@@ -59,6 +59,12 @@ PAD_TO = 16
 MIN_ROWS = 16
 
 
+def padded_len(tokens: int) -> int:
+    """The prefix length a chunk whose longest prompt has `tokens` tokens is padded to: the next
+    multiple of PAD_TO (the memory planner counts the same)."""
+    return -(-tokens // PAD_TO) * PAD_TO
+
+
 class SharedPrefixCache:
     """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
     token's key/value per row) and, handed over in the attention-mask dict, tells
@@ -342,7 +348,7 @@ def prefill(model, prompt_ids) -> tuple:
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         per_layer = ([[x] for x in kv] if per_layer is None
                      else [p + [x] for p, x in zip(per_layer, kv)])
-    P = -(-max(len(ids) for ids in prompt_ids) // PAD_TO) * PAD_TO  # a multiple of PAD_TO
+    P = padded_len(max(len(ids) for ids in prompt_ids))
     pad_to = lambda x: F.pad(x, (0, 0, 0, P - x.shape[2]))  # right-pad the sequence dim to P
     # Per layer (B, Hkv, P, D).
     prefix_kv = [(torch.cat([pad_to(k) for k, _ in layer]),

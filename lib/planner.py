@@ -34,7 +34,7 @@ from lib import distributed
 import kernels
 from lib import policy
 from lib.config import fail
-from sampler import MIN_ROWS, PAD_TO, encode_prompt
+from sampler import MIN_ROWS, encode_prompt, padded_len
 
 GB = 2**30
 # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
@@ -155,11 +155,11 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     def chunk(rows, top_p, prompts):
         cap = kv_capacity(T)
         # A decode step runs >= MIN_ROWS rows (filler rows beside a small chunk's), its prompts
-        # padded to a multiple of PAD_TO tokens (sampler.py).
+        # padded to a multiple of sampler.PAD_TO tokens (padded_len).
         rows = max(rows, MIN_ROWS)
         # + one layer doubling
         kv = L * rows * nkv * hd * 2 * c * cap + rows * nkv * hd * 2 * c * cap // 2
-        prefix = L * prompts * nkv * hd * 2 * c * (-(-P // PAD_TO) * PAD_TO)
+        prefix = L * prompts * nkv * hd * 2 * c * padded_len(P)
         return [("KV cache (rows x max_new_tokens) + prompts", kv + prefix),
                 ("sampling buffers (rows, V)", rows * sampling_bytes_per_row(V, c, top_p)),
                 # 17 bytes a token: int64 token, bool mask, fp32 logp, entropy.

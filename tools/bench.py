@@ -487,11 +487,7 @@ def bench_compiled_update(path, n, new, micro_batch, steps, threads):
     in one process, steps interleaved: each arm's median rollout and update seconds over `steps`
     steps after a warm-up step (the compiled arm's warm-up includes its compile)."""
     device = torch.device("cpu")
-    tok = NeverEos(AutoTokenizer.from_pretrained(path))
-    examples = [dict(e, task="arith") for e in json.loads((path / "prompts.json").read_text())]
-    cfg = brorl.Config(model=str(path), n_rollouts=n, prompts_per_step=len(examples),
-                       max_new_tokens=new, dynamic_sampling=False, micro_batch=micro_batch)
-    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
+    tok, examples, cfg = step_setup(path, n, new, micro_batch)
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         arms = {}
@@ -525,18 +521,28 @@ def bench_compiled_update(path, n, new, micro_batch, steps, threads):
 # Part 2: a full rl_step (rollout + reward + update), one subprocess per configuration
 
 
+def step_setup(model_dir, n, new, micro_batch):
+    """What a timed rl_step of the bench model needs: the tokenizer that never ends a rollout, the
+    saved prompts (B of them), and a Config of B x n rollouts of `new` tokens, nothing dropped."""
+    tok = NeverEos(AutoTokenizer.from_pretrained(model_dir))
+    saved = json.loads((Path(model_dir) / "prompts.json").read_text())
+    examples = [dict(e, task="arith") for e in saved]
+    B = len(examples)
+    cfg = brorl.Config(model=str(model_dir), n_rollouts=n, prompts_per_step=B, max_new_tokens=new,
+                       dynamic_sampling=False, micro_batch=micro_batch, max_rows=max(4096, B * n))
+    # --verifier auto resolved as a run resolves it.
+    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
+    return tok, examples, cfg
+
+
 def step_child(args):
     """Runs in its own process: warm-up + `steps` rl_steps; prints one JSON line."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # brorl's own configuration: fp32 weights, bf16 autocast on CUDA (rl_step applies --dtype auto)
     model = load_model(args.model_dir, "brorl", device, torch.float32)
-    tok = NeverEos(AutoTokenizer.from_pretrained(args.model_dir))
     model.generation_config.eos_token_id = None  # sampler.generate stops on these ids too
-    examples = [dict(e, task="arith") for e in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
+    tok, examples, cfg = step_setup(args.model_dir, args.n, args.new, args.micro_batch)
     B = len(examples)
-    cfg = brorl.Config(model=args.model_dir, n_rollouts=args.n, prompts_per_step=B, max_new_tokens=args.new,
-                       dynamic_sampling=False, micro_batch=args.micro_batch, max_rows=max(4096, B * args.n))
-    cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))  # as a run resolves --verifier auto
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
     rows = []

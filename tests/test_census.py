@@ -1,0 +1,100 @@
+"""tools/census.py: the interval, pass@k and zones against references, and a census killed part way
+that continues to the uninterrupted one's records."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools import census
+
+HERE = Path(__file__).resolve().parent.parent
+TINY = ["--eval_prompts", "3", "--max_new_tokens", "8"]
+
+
+def run(out, *extra, samples=8, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run([sys.executable, "-m", "tools.census", "--out", str(out), "--samples",
+                        str(samples), "--", *TINY, *extra], cwd=HERE, env=env,
+                       capture_output=True, text=True)
+    assert not check or p.returncode == 0, p.stderr[-2000:]
+    return p
+
+
+def test_clopper_pearson_matches_its_closed_forms():
+    # With no right answer the upper bound solves (1 - p)^n = 0.025; with all right, p^n = 0.025.
+    for n in (1, 16, 512):
+        lo, hi = census.clopper_pearson(0, n)
+        assert lo == 0 and hi == pytest.approx(1 - 0.025 ** (1 / n), rel=1e-9)
+        lo, hi = census.clopper_pearson(n, n)
+        assert hi == 1 and lo == pytest.approx(0.025 ** (1 / n), rel=1e-9)
+    # In between, the bounds are where the binomial tails equal 0.025.
+    from scipy.stats import binom
+    lo, hi = census.clopper_pearson(7, 512)
+    assert binom.sf(6, 512, lo) == pytest.approx(0.025, rel=1e-6)
+    assert binom.cdf(7, 512, hi) == pytest.approx(0.025, rel=1e-6)
+
+
+@pytest.mark.parametrize("right,n,k", [(0, 512, 16), (3, 512, 64), (30, 512, 256), (500, 512, 1),
+                                       (5, 8, 4), (2, 8, 7)])
+def test_pass_at_k_is_the_binomial_ratio(right, n, k):
+    assert census.pass_at_k(right, n, k) == pytest.approx(
+        1 - math.comb(n - right, k) / math.comb(n, k), rel=1e-12, abs=1e-15)
+
+
+def test_zones_hold_their_bounds():
+    assert [census.zone(q) for q in (1 / 16, 1 / 16 - 1e-9, 1 / 2048, 1 / 2048 - 1e-12)] == \
+        ["high", "window", "window", "low"]
+    # 0 of 512: the interval reaches 1/139, across the window's lower bound: unresolved.
+    assert census.interval_zone(*census.clopper_pearson(0, 512)) == "unresolved"
+    assert census.interval_zone(*census.clopper_pearson(10, 512)) == "window"
+    assert census.interval_zone(*census.clopper_pearson(300, 512)) == "high"
+
+
+def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    run(whole)
+    rows = (whole / "census.jsonl").read_text().splitlines()
+    assert len(rows) == 3 and [json.loads(r)["index"] for r in rows] == [0, 1, 2]
+    # As a kill after the first prompt leaves it: the header and one record.
+    part.mkdir()
+    (part / "census.json").write_text((whole / "census.json").read_text())
+    (part / "census.jsonl").write_text(rows[0] + "\n")
+    out = run(part).stdout
+    assert "1 recorded" in out
+    assert (part / "census.jsonl").read_text() == (whole / "census.jsonl").read_text()
+    # Each prompt's samples are its own: the second prompt alone, from its own seed, is the same.
+    assert census.prompt_seed(0, 1) != census.prompt_seed(0, 2) != census.prompt_seed(1, 1)
+
+
+def test_another_census_or_a_torn_record_is_one_line(tmp_path):
+    out = tmp_path / "c"
+    run(out)
+    p = run(out, samples=16, check=False)
+    assert p.returncode == 2 and "another census (samples differ)" in p.stderr
+    assert "Traceback" not in p.stderr
+    (out / "census.jsonl").write_text('{"index": 0, "right": 3}\n')
+    p = run(out, check=False)
+    assert p.returncode == 2 and "census.jsonl, line 1: not this census's record" in p.stderr
+
+
+def test_report_counts_zones_and_falls(tmp_path):
+    def write(d, rights, n=512):
+        d.mkdir()
+        (d / "census.json").write_text(json.dumps({"samples": n}) + "\n")
+        (d / "census.jsonl").write_text("".join(
+            json.dumps(dict(index=i, prompt=f"p{i}", answer="1", right=r, samples=n,
+                            mean_len=4.0, truncated=0)) + "\n" for i, r in enumerate(rights)))
+    write(tmp_path / "a", [0, 5, 100, 40])
+    write(tmp_path / "b", [0, 0, 300, 20])
+    s = census.summary([json.loads(x) for x in (tmp_path / "a" / "census.jsonl")
+                        .read_text().splitlines()])
+    assert s["zones"] == {"high": 2, "window": 1, "low": 1}
+    assert s["mean_q"] == pytest.approx((0 + 5 + 100 + 40) / 512 / 4)
+    text = census.report([tmp_path / "a", tmp_path / "b"])
+    assert "- window -> low: 1" in text and "- high -> window: 1" in text
+    assert "Q fell on 2 prompts" in text

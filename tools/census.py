@@ -1,0 +1,242 @@
+"""
+census.py: a reach census. Each held-out prompt's correct mass Q, estimated from many samples at
+the training temperature, with its interval, and the prompts counted by zone:
+
+  high     Q >= 1/16            N = 16 draws a right answer in most steps
+  window   1/2048 <= Q < 1/16   BroRL's reach window: N = 512 draws one far more often than N = 16
+  low      Q < 1/2048           neither draws one in most steps
+
+A prompt's zone is read two ways: by its point estimate (right / samples) and by its 95%
+Clopper-Pearson interval (the zone holds the whole interval; otherwise "unresolved"). With S
+samples a prompt with no right answer has an interval [0, 1 - 0.025^(1/S)]: at S = 512 that
+reaches 1/139, so 512 samples cannot tell the window's lower part from below it; the report says
+how many prompts that leaves unresolved.
+
+The prompts are the run's held-out set, drawn by brorl's own setup from the brorl flags given
+after `--` (--model, --task, --eval_prompts, --eval_seed, --max_new_tokens, --system_prompt, ...),
+so that a census and a run's evaluations read the same prompts. Prompt i's samples come from its
+own seed (a function of --seed and i), so that the census is the same whether it ran whole or was
+killed and rerun: `<out>/census.jsonl` is rewritten whole after every prompt, and a rerun of the
+same command continues after the last recorded prompt (another command's census is refused).
+
+  python -m tools.census --out runs/census-base --samples 512 -- --model smollm2-135m-instruct \
+      --task math:assets/smollm2/add2.jsonl --eval_prompts 64
+  python -m tools.census --report runs/census-base [runs/census-trained]   # table, zones, moves
+"""
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+HIGH, LOW = 1 / 16, 1 / 2048  # the zones' bounds: N = 16's reach and N = 512's 4-draw reach
+KS = (1, 4, 16, 64, 256, 512)  # the pass@k a census reports (k <= its samples)
+
+
+def prompt_seed(seed: int, i: int) -> int:
+    """Prompt i's sampling seed: its own, whatever else the census sampled before it."""
+    return random.Random(f"census:{seed}:{i}").getrandbits(62)
+
+
+def clopper_pearson(right: int, n: int, level: float = 0.95) -> tuple:
+    """The exact (Clopper-Pearson) interval of a binomial proportion: right of n."""
+    from scipy.stats import beta
+    a = (1 - level) / 2
+    lo = 0.0 if right == 0 else float(beta.ppf(a, right, n - right + 1))
+    hi = 1.0 if right == n else float(beta.ppf(1 - a, right + 1, n - right))
+    return lo, hi
+
+
+def zone(q: float) -> str:
+    return "high" if q >= HIGH else "window" if q >= LOW else "low"
+
+
+def interval_zone(lo: float, hi: float) -> str:
+    """The zone holding the whole interval, else "unresolved"."""
+    return zone(lo) if zone(lo) == zone(hi) else "unresolved"
+
+
+def pass_at_k(right: int, n: int, k: int) -> float:
+    """Unbiased pass@k of one prompt from `right` of n samples (Chen et al. 2021): 1 - C(n-c, k) /
+    C(n, k), as a product so that it stays exact in floating point."""
+    if n - right < k:
+        return 1.0
+    return 1.0 - math.prod((n - right - j) / (n - j) for j in range(k))
+
+
+# ----------------------------------------------------------------------------
+# The census: one prompt at a time, rewritten whole after each
+
+
+def fail(msg: str):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_records(path: Path, header: dict) -> list:
+    """The prompts a census in `path`'s folder has recorded, checked against this command's
+    header; a record that is not this census's stops with one line."""
+    head_path = path.with_name("census.json")
+    if not head_path.exists():
+        if path.exists():
+            fail(f"{path}: no census.json beside it; not a census folder (give another --out)")
+        return []
+    try:
+        old = json.loads(head_path.read_text())
+    except (OSError, ValueError) as e:
+        fail(f"{head_path}: unreadable ({e}); give another --out")
+    if old != header:
+        keys = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
+        fail(f"{head_path}: another census ({', '.join(keys)} differ); give another --out")
+    rows = []
+    if path.exists():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+                ok = row["index"] == n - 1 and 0 <= row["right"] <= row["samples"]
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            if not ok or row["samples"] != header["samples"]:
+                fail(f"{path}, line {n}: not this census's record of prompt {n - 1}")
+            rows.append(row)
+    return rows
+
+
+def run_census(out: Path, samples: int, brorl_args: list):
+    import brorl
+    from lib.rundir import write_atomic
+    from lib.setup import setup
+    cfg = brorl.parse_config(brorl_args)
+    header = dict(samples=samples, argv=brorl_args, temperature=cfg.temperature, top_p=cfg.top_p,
+                  max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "census.jsonl"
+    rows = read_records(path, header)
+    cfg, _, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
+    write_atomic(out / "census.json", json.dumps(header) + "\n")
+    print(f"census: {len(eval_set)} prompts, {samples} samples each at T = {cfg.temperature}; "
+          f"{len(rows)} recorded")
+    with torch.no_grad():
+        for i in range(len(rows), len(eval_set)):
+            ex = eval_set[i]
+            _, _, r, lengths, truncated = brorl.sample_share(
+                model.eval(), tok, [ex], samples, cfg.temperature, cfg.top_p, cfg,
+                [prompt_seed(cfg.seed, i)])  # (1, samples) each
+            rows.append(dict(index=i, prompt=ex["prompt"], answer=ex["answer"],
+                             right=int(r.sum()), samples=samples,
+                             mean_len=round(float(lengths.mean()), 3),
+                             truncated=int(truncated.sum())))
+            write_atomic(path, "".join(json.dumps(x) + "\n" for x in rows))
+            print(f"prompt {i}: {rows[-1]['right']} / {samples} right")
+
+
+# ----------------------------------------------------------------------------
+# The report
+
+
+def summary(rows: list) -> dict:
+    """One census's numbers: mean Q, zones by point and by interval, pass@k, lengths."""
+    n = rows[0]["samples"]
+    q = [r["right"] / r["samples"] for r in rows]
+    ivals = [clopper_pearson(r["right"], r["samples"]) for r in rows]
+    count = lambda zs, z: sum(x == z for x in zs)
+    points, by_ival = [zone(x) for x in q], [interval_zone(*iv) for iv in ivals]
+    return dict(prompts=len(rows), samples=n, mean_q=sum(q) / len(q),
+                zones={z: count(points, z) for z in ("high", "window", "low")},
+                interval_zones={z: count(by_ival, z)
+                                for z in ("high", "window", "low", "unresolved")},
+                none_right=sum(r["right"] == 0 for r in rows),
+                pass_at_k={k: sum(pass_at_k(r["right"], r["samples"], k) for r in rows)
+                           / len(rows) for k in KS if k <= n},
+                mean_len=sum(r["mean_len"] for r in rows) / len(rows),
+                truncated=sum(r["truncated"] for r in rows) / (n * len(rows)))
+
+
+def moves(before: list, after: list) -> dict:
+    """Two censuses of the same prompts: zone moves by point estimate, and the prompts whose Q
+    fell, with each fall's Fisher exact p (two-sided) on the two 2 x 2 counts."""
+    from scipy.stats import fisher_exact
+    pairs = list(zip(before, after))
+    if any(a["prompt"] != b["prompt"] for a, b in pairs) or len(before) != len(after):
+        fail("--report: the two censuses are not of the same prompts in the same order")
+    table = {}
+    for a, b in pairs:
+        key = (zone(a["right"] / a["samples"]), zone(b["right"] / b["samples"]))
+        table[key] = table.get(key, 0) + 1
+    fell = []
+    for a, b in pairs:
+        qa, qb = a["right"] / a["samples"], b["right"] / b["samples"]
+        if qb < qa:
+            p = fisher_exact([[a["right"], a["samples"] - a["right"]],
+                              [b["right"], b["samples"] - b["right"]]])[1]
+            fell.append(dict(index=a["index"], before=qa, after=qb, p=float(p)))
+    return dict(table=table, fell=fell)
+
+
+def report(dirs: list) -> str:
+    censuses = []
+    for d in dirs:
+        path = Path(d) / "census.jsonl"
+        head = Path(d) / "census.json"
+        if not head.exists() or not path.exists():
+            fail(f"--report {d}: no census.json and census.jsonl there")
+        rows = read_records(path, json.loads(head.read_text()))
+        if not rows:
+            fail(f"--report {d}: its census.jsonl records no prompt")
+        censuses.append((d, rows))
+    lines = ["| census | prompts | samples | mean Q | high / window / low (point) | "
+             "high / window / low / unresolved (95% interval) | none right | "
+             + " | ".join(f"pass@{k}" for k in KS) + " | mean length | truncated |",
+             "|---" * (9 + len(KS)) + "|"]
+    for d, rows in censuses:
+        s = summary(rows)
+        z, iz = s["zones"], s["interval_zones"]
+        lines.append(f"| {Path(d).name} | {s['prompts']} | {s['samples']} | {s['mean_q']:.4f} | "
+                     f"{z['high']} / {z['window']} / {z['low']} | {iz['high']} / {iz['window']} / "
+                     f"{iz['low']} / {iz['unresolved']} | {s['none_right']} | "
+                     + " | ".join(f"{s['pass_at_k'][k]:.3f}" if k in s["pass_at_k"] else "-"
+                                  for k in KS)
+                     + f" | {s['mean_len']:.1f} | {s['truncated']:.3f} |")
+    if len(censuses) == 2:
+        m = moves(censuses[0][1], censuses[1][1])
+        lines += ["", f"Zone moves by point estimate, {Path(censuses[0][0]).name} -> "
+                  f"{Path(censuses[1][0]).name}:", ""]
+        lines += [f"- {a} -> {b}: {c}" for (a, b), c in sorted(m["table"].items())]
+        sig = [f for f in m["fell"] if f["p"] < 0.05]
+        lines += ["", f"Q fell on {len(m['fell'])} prompts ({len(sig)} with Fisher's exact p < "
+                  "0.05)" + (":" if m["fell"] else ".")]
+        lines += [f"- prompt {f['index']}: {f['before']:.4f} -> {f['after']:.4f} (p {f['p']:.3g})"
+                  for f in sorted(m["fell"], key=lambda f: f["after"] - f["before"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    brorl_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                usage="census.py --out DIR [--samples S] -- BRORL_FLAGS | "
+                                      "--report DIR [DIR]")
+    p.add_argument("--out", help="the census folder (census.json, census.jsonl)")
+    p.add_argument("--samples", type=int, default=512, help="samples per prompt (default 512)")
+    p.add_argument("--report", nargs="+", metavar="DIR", help="tables of one census, or of two "
+                   "of the same prompts with the zone moves between them")
+    a = p.parse_args(ours)
+    if a.report:
+        if a.out or brorl_args or len(a.report) > 2:
+            p.error("--report takes one or two census folders and nothing else")
+        print(report(a.report), end="")
+        return
+    if not a.out:
+        p.error("--out is required (or --report)")
+    if a.samples < 1:
+        p.error(f"--samples {a.samples}: at least 1")
+    run_census(Path(a.out), a.samples, brorl_args)
+
+
+if __name__ == "__main__":
+    main()

@@ -14,8 +14,10 @@ partial softmaxes by their log-sum-exps (the "cascade" trick of FlashInfer / Hyd
 Rows that finish are dropped once an eighth of them has (SharedPrefixCache.keep), so a long
 rollout does not keep the short ones' rows decoding padding, as generate() does.
 
-Any Hugging Face decoder with full attention works: importing this module registers the
-attention implementation "brorl" (SDPA everywhere but in decode steps); load models with
+Any Hugging Face decoder whose layers call transformers' attention interface works (Llama,
+Mistral, Qwen2/3, Phi-3, OLMo 2, Gemma 2/3 are tested), sliding-window layers and soft-capped
+scores included: importing this module registers the attention implementation "brorl" (the cascade
+in decode steps, lib/attention.py's SDPA everywhere else); load models with
 AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
     generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
@@ -42,10 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kernels import token_logprobs
+from lib.attention import attend
 
 # A rollout's log-probs must not depend on which other rows share its decode steps. Two things in
 # a decode step depend on the chunk: its prompts' padding, and how many rows it decodes. A softmax
@@ -67,7 +69,7 @@ def padded_len(tokens: int) -> int:
 
 class SharedPrefixCache:
     """KV cache of B prompts x N rollouts. Acts as the model's cache (update() stores each new
-    token's key/value per row) and, handed over in the attention-mask dict, tells
+    token's key/value per row) and, handed to the forward as shared_prefix=, tells
     cascade_attention where the shared prefixes are. Rows can be dropped as they finish (keep()).
 
     Rows are kept sorted by prompt, n rows a prompt (one int, or each prompt's). For the prefix they
@@ -87,12 +89,9 @@ class SharedPrefixCache:
         self.prefix_kv = [(k.to(dtype).transpose(0, 1).contiguous(),
                            v.to(dtype).transpose(0, 1).contiguous())
                           for k, v in prefix_kv]
-        self.B, self.P = B, P
-        # pad_bias (B, P) is -inf on each prompt's padding (prompts are right-padded to P), or
-        # None if no prompt is padded.
-        col = torch.arange(P, device=prefix_len.device)
-        self.pad_bias = None if (prefix_len == P).all() else torch.zeros(
-            B, P, device=prefix_len.device).masked_fill(col >= prefix_len[:, None], -math.inf)
+        self.B, self.P, self.prefix_len = B, P, prefix_len
+        # (B, P) True on each prompt's own tokens, False on its padding (right-padded to P).
+        self.real = torch.arange(P, device=prefix_len.device) < prefix_len[:, None]
         # n: rows per prompt, one int for all or one a prompt. (B,)
         counts = torch.as_tensor(n, device=prefix_len.device).expand(B)
         # (R,) the prompt of each row.
@@ -107,7 +106,7 @@ class SharedPrefixCache:
     def _lay_out(self, counts):
         """Place the rows on the (B, n_max) grid, counts (B,) rows of each prompt: n_max = the most
         rows of one prompt, slot[i] = row i's place (None when the grid is full and in order), and
-        each row's prompt padding bias."""
+        each row's prefix mask."""
         self.n_max = int(counts.max())
         first = torch.cumsum(counts, 0) - counts  # (B,) index of each prompt's first row
         # (r,) each row's place among its prompt's rows.
@@ -115,9 +114,9 @@ class SharedPrefixCache:
         self.slot = self.row_group * self.n_max + rank  # (r,) place on the (B, n_max) grid
         if len(self.row_group) == self.B * self.n_max:  # full grid, rows in order: the identity
             self.slot = None
-        # prefix_bias (r, 1, 1, P): each row's own prompt's padding, or None.
-        self.prefix_bias = (None if self.pad_bias is None
-                            else self.pad_bias[self.row_group][:, None, None])
+        # (r, 1, 1, P): the keys of each row's own prompt, its padding hidden. The decode step's
+        # attention mask.
+        self.prefix_mask = self.real[self.row_group][:, None, None]
 
     def keep(self, rows):
         """Drop every row but `rows` (ascending indices into the current rows): finished rollouts
@@ -129,6 +128,15 @@ class SharedPrefixCache:
             self.v[i] = self.v[i][rows]
         self.row_group = self.row_group[rows]  # still sorted by prompt
         self._lay_out(torch.bincount(self.row_group, minlength=self.B))  # (B,) rows left a prompt
+
+    def window(self, width: int) -> tuple:
+        """The keys the current token sees in a sliding-window layer: those fewer than `width`
+        positions back (transformers' rule). (r, 1, 1, P) over the prefix, and (t + 1,) over the
+        rows' own tokens (one for all rows: row i's token t is at its prompt's length + t)."""
+        pos = self.prefix_len[self.row_group] + self.t  # (r,) the current token's position
+        near_prefix = torch.arange(self.P, device=pos.device) > (pos - width)[:, None]  # (r, P)
+        near_own = torch.arange(self.t + 1, device=pos.device) > self.t - width  # (t + 1,)
+        return near_prefix[:, None, None], near_own
 
     def to_grid(self, x):
         """(Hkv, r, ...) rows -> (Hkv, B*n_max, ...) grid, zeros in the empty slots."""
@@ -155,15 +163,14 @@ class SharedPrefixCache:
 
 
 def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      **kwargs):
-    """Registered as the attention implementation "brorl". Decode steps (attention_mask is a
-    SharedPrefixCache) use the shared prefixes; everything else is the model's usual SDPA."""
-    cache = attention_mask
-    if not isinstance(cache, SharedPrefixCache):
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      scaling=scaling, dropout=dropout, **kwargs)
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("cascade decoding supports full attention only")
+                      shared_prefix=None, sliding_window=None, softcap=None, **kwargs):
+    """Registered as the attention implementation "brorl". Decode steps (shared_prefix is a
+    SharedPrefixCache, attention_mask its prefix_mask) use the shared prefixes; everything else is
+    lib/attention.attend (SDPA). The layer's sliding_window and softcap apply in both."""
+    cache = shared_prefix
+    if cache is None:
+        return attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                      sliding_window=sliding_window, softcap=softcap, **kwargs)
     # (Hkv, B, P, D): each prompt of the chunk, stored once.
     pk, pv = cache.prefix_kv[module.layer_idx]
     Hkv, B, P, D = pk.shape
@@ -176,10 +183,17 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
     q_grid = cache.to_grid(q.transpose(0, 1)).reshape(Hkv, B, -1, D)  # (Hkv, B, n_max*G, D)
     s_a = torch.matmul(q_grid, pk.transpose(-1, -2)).float()  # (Hkv, B, n_max*G, P)
     s_a = cache.from_grid(s_a.view(Hkv, -1, G, P)).transpose(0, 1)  # (R, Hkv, G, P)
-    if cache.prefix_bias is not None:  # the prompt's padding
-        s_a = s_a + cache.prefix_bias
     # (b) Each row's own generated tokens, key/value (R, Hkv, t, D).
     s_b = torch.matmul(q, key.transpose(-1, -2)).float()  # (R, Hkv, G, t)
+    if softcap:  # Gemma 2 squashes each score into (-softcap, softcap), before the mask
+        s_a, s_b = softcap * torch.tanh(s_a / softcap), softcap * torch.tanh(s_b / softcap)
+    # Hidden: each prompt's padding (attention_mask, (R, 1, 1, P)) and, in a sliding-window layer,
+    # every key `sliding_window` or more positions back, of the prompt or of the row's own.
+    if sliding_window:
+        near_prefix, near_own = cache.window(sliding_window)  # (R, 1, 1, P), (t,)
+        attention_mask = attention_mask & near_prefix
+        s_b = s_b.masked_fill(~near_own, -math.inf)
+    s_a = s_a.masked_fill(~attention_mask, -math.inf)
     # One softmax over both parts is exact: the same as merging two partial softmaxes by their
     # lse.
     p = torch.softmax(torch.cat([s_a, s_b], -1), -1).to(value.dtype)  # (R, Hkv, G, P + t)
@@ -191,7 +205,8 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
 
 
-# Every model is loaded with attn_implementation="brorl": SDPA everywhere but in decode steps.
+# Every model is loaded with attn_implementation="brorl": the cascade in decode steps,
+# lib/attention.attend (SDPA) everywhere else.
 AttentionInterface.register("brorl", cascade_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register("brorl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
@@ -341,7 +356,9 @@ def prefill(model, prompt_ids) -> tuple:
     dev, cache_kw = model.device, cache_kwarg(model)
     per_layer, first_logits = None, []
     for ids in prompt_ids:
-        cache = DynamicCache(config=model.config)
+        # No config: every layer keeps all its keys, sliding-window layers too (transformers'
+        # cache for the config would keep a window's worth); the decode steps apply the window.
+        cache = DynamicCache()
         out = model(torch.tensor([ids], device=dev), **{cache_kw: cache}, logits_to_keep=1)
         first_logits.append(out.logits[0, -1])  # (V,)
         # Per layer (1, Hkv, P_b, D).
@@ -385,8 +402,6 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
 
     prefix_kv, first_logits, prompt_len, dtype = prefill(model, prompt_ids)
     cache = SharedPrefixCache(prefix_kv, prompt_len, counts, dtype)
-    masks = {t: cache
-             for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
 
     # eos_id may be one id or several. R rows decode, the fill last among them, and leave at the
     # end.
@@ -428,8 +443,11 @@ def generate_group_chunk(model, prompt_ids, seeds, parts, max_new, temperature, 
             live = torch.sort(torch.argsort(done.byte(), stable=True)[:keep])[0]  # (r',)
             rows, row_start, tok, done = rows[live], row_start[live], tok[live], done[live]
             cache.keep(live)
-        out = model(tok[:, None], position_ids=row_start + t, attention_mask=masks,
-                    **{cache_kw: cache})
+        # The step's mask is each row's prompt keys, (r, 1, 1, P): a 4D mask, which every family's
+        # forward hands to its attention as it is. The cache reaches cascade_attention as
+        # shared_prefix=: a forward passes its extra keyword arguments down to the attention.
+        out = model(tok[:, None], position_ids=row_start + t, attention_mask=cache.prefix_mask,
+                    shared_prefix=cache, **{cache_kw: cache})
         cache.t += 1
         logits = out.logits[:, -1]  # (r, V)
     truncated = torch.zeros(R, dtype=torch.bool, device=dev)  # (R,) dropped rows had finished

@@ -78,7 +78,8 @@ class RunOptions:
                         # 0: full fine-tuning
     lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
-        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP)
+        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP; Phi-3's
+        # fused ones: qkv_proj,o_proj,gate_up_proj,down_proj)
     # Where it runs, memory and time.
     device: str = "auto"  # device to run on: auto (cuda if available, else cpu), cpu, cuda or
                           # cuda:<index>

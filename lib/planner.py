@@ -64,10 +64,12 @@ def param_counts(mc) -> tuple:
 
 def lora_param_count(mc, cfg) -> int:
     """Parameters of a rank-r LoRA adapter (--lora_rank) on the --lora_targets of every decoder
-    layer: r * (fan_in + fan_out) each, for the Qwen2/Llama projections; 0 without LoRA."""
+    layer: r * (fan_in + fan_out) each, for the Qwen2/Llama projections and Phi-3's fused ones;
+    0 without LoRA."""
     H, I, L, V, nh, nkv, hd = _shape(mc)
     shapes = dict(q_proj=(H, nh * hd), k_proj=(H, nkv * hd), v_proj=(H, nkv * hd),
-                  o_proj=(nh * hd, H), gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H))
+                  o_proj=(nh * hd, H), gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H),
+                  qkv_proj=(H, (nh + 2 * nkv) * hd), gate_up_proj=(H, 2 * I))
     r = getattr(cfg, "lora_rank", 0)
     return L * r * sum(sum(shapes.get(t, (0, 0))) for t in cfg.lora_targets.split(",")) if r else 0
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels import linear_logprobs, token_logprobs
 from lib import distributed
+from lib.attention import unsupported
 from lib.config import fail
 from sampler import cache_kwarg  # importing sampler registers attn_implementation="brorl"
 
@@ -61,6 +62,9 @@ def load_policy(name: str, device, flag="--model"):
         if "mismatch" not in str(e):
             raise
         fail(f"{flag} {name}: its weights' shapes disagree with its config.json")
+    why = unsupported(model)
+    if why:
+        fail(f"{flag} {name}: {model.config.model_type} cannot be trained here: {why}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     check_tokenizer(tok, model, name, flag)
@@ -157,8 +161,10 @@ class ReplayCache(DynamicCache):
     time (a (.., P+2T, D) cache: wrong shapes). Here update() appends to what the layer held when
     the cache was made (`prefix`: per layer (k, v), or nothing), however often a layer runs."""
 
-    def __init__(self, config, prefix=()):
-        super().__init__(config=config)
+    def __init__(self, prefix=()):
+        # No config: every layer keeps all its keys, sliding-window layers too; the masks built
+        # here index the whole prefix and lib/attention.py applies the window.
+        super().__init__()
         for i, (k, v) in enumerate(prefix):
             super().update(k, v, i)
         self.base = [k.shape[-2] for k, _ in prefix]  # per layer: the prefix's length
@@ -360,7 +366,7 @@ def logprobs_pass(model, batch, rows, temperature, with_entropy):
     eye = torch.eye(P, dtype=torch.bool, device=pm.device)  # (P, P)
     # (g, P, P): causal over real keys, + itself
     prompt_attn = eye.new_ones(P, P).tril() & pm[:, None, :] | eye
-    cache = ReplayCache(model.config)
+    cache = ReplayCache()
     first = states(net(batch["prompt"][groups], attention_mask=prompt_attn[:, None],
                        position_ids=(pm.long().cumsum(1) - 1).clamp(min=0),
                        **keep_last, **{cache_kwarg(net): cache}))[:, -1:]  # (g, 1, H) or (g, 1, V)
@@ -369,11 +375,10 @@ def logprobs_pass(model, batch, rows, temperature, with_entropy):
     x = first.index_select(0, row_group)  # (r, 1, H or V)
     # 2. response tokens 0..T-2 predict tokens 1..T-1 (T >= 2: always two calls to the model, as
     # FSDP needs the same calls on every rank; a 1-token batch has a padding column, pack_groups)
-    row_cache = ReplayCache(model.config,
-                            [(layer.keys.index_select(0, row_group),
+    row_cache = ReplayCache([(layer.keys.index_select(0, row_group),
                               layer.values.index_select(0, row_group))
-                                           # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
-                                           for layer in cache.layers])
+                             # per layer (g, Hkv, P, D) -> (r, Hkv, P, D)
+                             for layer in cache.layers])
     r = len(rows)
     # (T-1, T-1): every row sees itself
     causal = torch.ones(T - 1, T - 1, dtype=torch.bool, device=pm.device).tril()

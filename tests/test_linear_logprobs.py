@@ -250,7 +250,7 @@ def _full_forward_logprobs(model, batch, temperature):
 @pytest.mark.parametrize("cls_name, extra", [("Qwen2", {}), ("Cohere", dict(logit_scale=0.25))])
 def test_response_logprobs_equal_a_full_forward(cls_name, extra):
     # Qwen2: the hidden-state path; Cohere (scaled logits): the logits path, chosen by plain_head
-    batch = _batch(*_tiny_lm(True))  # rollouts of a Qwen2 (the sampler's cascade attention needs one)
+    batch = _batch(*_tiny_lm(True))  # rollouts of a Qwen2, scored by each model
     model, _ = _tiny_lm(True, cls_name, **extra)
     model.eval()
     with torch.no_grad():

@@ -80,7 +80,7 @@ def test_every_attention_row_has_a_key(random_lm):
     seen = []
 
     def capture(module, query, key, value, attention_mask, **kw):
-        seen.append((attention_mask, key.shape[-2]))
+        seen.append((attention_mask, key.shape[-2], kw.get("shared_prefix")))
         return sampler.cascade_attention(module, query, key, value, attention_mask, **kw)
     AttentionInterface.register("brorl", capture)
     try:
@@ -94,9 +94,9 @@ def test_every_attention_row_has_a_key(random_lm):
         AttentionInterface.register("brorl", sampler.cascade_attention)
     assert 0 < n_sampler < len(seen)
     kinds = set()
-    for mask, n_keys in seen:
-        if isinstance(mask, sampler.SharedPrefixCache):  # decode: the prompt's keys, then the row's own
-            assert n_keys >= 1  # the row's own current token: never masked
+    for mask, n_keys, prefix in seen:
+        if prefix is not None:  # decode: the prompt's keys (mask (r, 1, 1, P)), then the row's own
+            assert n_keys >= 1 and mask.shape[-1] == prefix.P  # the row's own token: never masked
             kinds.add("decode")
         elif mask is None:  # plain causal (a prompt alone): every row sees itself
             kinds.add("causal")

@@ -102,6 +102,8 @@ NEW_RUN = [
     (["--clip_low", "1"], "--clip_low 1.0: need 0 <= eps_low < 1"),
     (["--clip_low", "-0.1"], "--clip_low -0.1"),
     (["--clip_high", "-0.1"], "--clip_high -0.1: need >= 0"),
+    (["--loss", "sapo2"], "--loss 'sapo2': choose ppo, gspo, cispo or sapo"),
+    (["--loss", "sapo", "--sapo_tau_neg", "0"], "--sapo_tau_pos 1.0, --sapo_tau_neg 0.0: need both > 0"),
     (["--probe_prompts", "0"], "--probe_prompts 0: need >= 1"),
     (["--probe_prompts", "-1"], "--probe_prompts -1: need >= 1"),
     (["--temperature", "inf"], "must be finite numbers: --temperature inf"),

@@ -2,8 +2,8 @@
 objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a
 drop-in for one piece of it. --loss gspo, cispo and sapo replace PPO-clip's per-token loss
 (brorl.policy_token_loss picks one; with --loss gspo or sapo, --loss_agg auto is their papers'
-per-sequence mean: aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal weight;
---train_rollouts m trains each group on the m of its N rollouts whose rewards vary most (PODS),
+per-sequence mean: aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal
+weight; --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most (PODS),
 keeping the breadth of sampling without the update's cost. The paper's own pieces (PPO-clip with
 dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
 """
@@ -78,9 +78,10 @@ def sapo_token_loss(logp, old_logp, adv, tau_pos, tau_neg):
     tau_pos where A > 0 and tau_neg otherwise (TRL's sapo_temperature_pos / _neg, verl's tau_pos /
     tau_neg: 1.0 and 1.05). Where PPO's clip cuts a token's gradient off at the trust region's
     edge, SAPO's sigmoid gate fades it smoothly: the objective's gradient is 4 s (1 - s) ratio A
-    d logp, s the sigmoid, so at ratio 1 (s = 1/2) it is the policy gradient exactly, and it shrinks as the
-    ratio leaves 1; the larger tau_neg fades negative-advantage tokens faster, as they are the
-    less stable. On-policy (one mini-batch a step, no drift) it is REINFORCE's gradient."""
+    d logp, s the sigmoid, so at ratio 1 (s = 1/2) it is the policy gradient exactly, and it
+    shrinks as the ratio leaves 1; the larger tau_neg fades negative-advantage tokens faster, as
+    they are the less stable. On policy (the first mini-batch of a step, fp32) it is the policy
+    gradient."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
     a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
     tau = torch.where(a > 0, tau_pos, tau_neg).to(ratio.dtype)  # (r, 1)

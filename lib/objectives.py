@@ -3,9 +3,9 @@ objectives.py: the alternatives to the paper's objective that brorl.py offers as
 drop-in for one piece of it. --loss gspo, cispo and sapo replace PPO-clip's per-token loss
 (brorl.policy_token_loss picks one; with --loss gspo or sapo, --loss_agg auto is their papers'
 per-sequence mean: aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal
-weight; --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most (PODS),
-keeping the breadth of sampling without the update's cost. The paper's own pieces (PPO-clip with
-dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
+weight; --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most
+(PODS), keeping the breadth of sampling without the update's cost. The paper's own pieces
+(PPO-clip with dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
 """
 
 import torch

@@ -430,7 +430,7 @@ def readme_brorl_commands() -> list:
 
 
 def test_readme_commands_parse_and_name_each_objective():
-    """Every README `python brorl.py` line is a valid config; one line each runs GSPO, CISPO, Dr. GRPO, PODS and
+    """Every README `python brorl.py` line is a valid config; one line each runs GSPO, CISPO, SAPO, Dr. GRPO, PODS and
     LoRA (at 10x full fine-tuning's lr, as the objectives page's study), and the paper's eval protocol is the
     paper preset's, on a benchmark given as --eval_task (all its rows), never as --task (its ~10% test split)."""
     cfgs = [brorl.parse_config(args) for args in readme_brorl_commands()]
@@ -464,6 +464,7 @@ def test_readme_loss_is_the_codes_lines():
     # ppo_token_loss's `a` is adv along T; token_loss's first line calls the objective (its first three lines)
     code = assigned(brorl.ppo_token_loss, skip=("a",)) + assigned(brorl.token_loss)
     assert readme == code, (readme, code)
+              "SAPO": lambda c: c.loss == "sapo" and c.loss_agg == "sequence",
     cfg = brorl.Config()
     assert f"clamp(ratio, 1 - {cfg.clip_low:g}, 1 + {cfg.clip_high:g})" in block and f"min(pg, {cfg.clip_ratio_c:g} |A|)" in block
 
@@ -507,6 +508,7 @@ def test_checks_catch_broken_citations(tmp_path):
     readme = root / "README.md"
     readme.write_text(readme.read_text() + "\n[gone](docs/nothing.md) [bad](docs/results/README.md#nope) `assets/none.bin` "
                       "`python nothere.py` `python -m tools.nothere` `gone.py` `brorl.no_such_function`\n")
+    assert arms["SAPO"].loss == "sapo" and arms["SAPO"].loss_agg == "sequence"
     assert len(link_problems(root)) == 2
     assert len(path_problems(root)) == 2  # assets/none.bin, gone.py
     assert len(command_problems(root)) == 2  # nothere.py, tools.nothere

@@ -1,6 +1,6 @@
 """
-brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180) in one file. RLVR, scaled along the
-*breadth* axis: hundreds of rollouts per prompt instead of more steps.
+brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180), a function a phase. RLVR, scaled along
+the *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
   1. rollout     sample N completions for each prompt (sampler.py): each prompt is prefilled ONCE,
@@ -77,7 +77,8 @@ class Config(config.RunOptions):
     dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: fp32 CPU, bf16 CUDA
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
-    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
+    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128);
+        # under --alloc adaptive, the candidate prompts of its one round, all-equal ones dropped
     max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollouts' top-p nucleus; 1.0 to train (the loss's is the full softmax)

@@ -1,6 +1,6 @@
-"""tools/massbalance.py beyond Theorem 1 and Lemma 2 (in test_brorl.py): the surrogate's gradient and
-AdamW against torch, the small simulation's ordering of Q_pos by N, its command line, bad arguments,
-the expected terms."""
+"""tools/massbalance.py beyond Theorem 1 and Lemma 2 (in test_brorl.py): the surrogate's gradient
+and AdamW against torch, the small simulation's ordering of Q_pos by N, its command line, bad
+arguments, the expected terms."""
 
 import json
 

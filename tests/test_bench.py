@@ -24,6 +24,7 @@ def tiny_output():
     return out.getvalue()
 
 
+@pytest.mark.slow
 def test_every_bench_part_runs_at_a_tiny_size(tiny_output):
     out = tiny_output
     for header in ("== sampler:", "== varied lengths:", "== step:", "== breadth:"):
@@ -34,6 +35,7 @@ def test_every_bench_part_runs_at_a_tiny_size(tiny_output):
     assert step_s > 0 and completions_s >= 0
 
 
+@pytest.mark.slow
 def test_every_speed_is_shown_against_the_matmul_floor_of_the_same_run(tiny_output):
     lines = tiny_output.splitlines()
     floor = next(ln for ln in lines if ln.startswith("matmul floor:"))

@@ -1034,3 +1034,18 @@ def test_no_machine_of_ours_in_the_text():
     found = [(f.relative_to(ROOT).as_posix(), m[0]) for f in text_files(ROOT)
              if f.name != "test_docs.py" for m in words.finditer(f.read_text())]
     assert found == []
+
+
+def test_the_fast_tests_then_the_slow_ones_as_the_readme_says():
+    """pytest.ini leaves the slow tests out of `python -m pytest -q`; CI runs that, then `-m slow`, so
+    that every test runs there; the README says how to run the rest and all."""
+    import configparser
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    assert ini["pytest"]["addopts"].strip() == '-m "not slow"'
+    assert ini["pytest"]["markers"].strip().startswith("slow:")
+    ci = [ln.split("#")[0].split() for ln in (ROOT / ".ci/run").read_text().splitlines()]
+    runs = [ln[ln.index("pytest"):] for ln in ci if "pytest" in ln and "-m" in ln[:ln.index("pytest")]]
+    assert runs[:2] == [["pytest", "-q"], ["pytest", "-q", "-m", "slow"]], runs
+    two = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    assert "`python -m pytest -q -m slow`" in two and '`-m ""`' in two

@@ -376,6 +376,7 @@ def test_focal_weight_off_is_todays_advantages_to_the_bit():
                                                  _advantages(groups, lens, "batch")))
 
 
+@pytest.mark.slow
 def test_focal_gamma_reaches_the_update_and_is_checked(tmp_path):
     """--focal_gamma changes a run's update (the flag is wired to the advantages); off, the run is
     the run without it; a negative or non-finite gamma is refused in one line."""

@@ -1,6 +1,6 @@
 """
-brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180) in one file. RLVR, scaled along the
-*breadth* axis: hundreds of rollouts per prompt instead of more steps.
+brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180), a function a phase. RLVR, scaled along
+the *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
   1. rollout     sample N completions for each prompt (sampler.py): each prompt is prefilled ONCE,
@@ -56,7 +56,7 @@ from lib import (allocation, config, diagnostics, distributed, evalonly, harness
                  steplog)
 from lib.config import fail
 from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
-                            max_variance_subset)
+                            max_variance_subset, sapo_token_loss)
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
                         response_logprobs, trainable)
 from sampler import Rollouts, draw_seeds, generate, round_seeds
@@ -77,7 +77,8 @@ class Config(config.RunOptions):
     dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: fp32 CPU, bf16 CUDA
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
-    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
+    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128);
+        # under --alloc adaptive, the candidate prompts of its one round, all-equal ones dropped
     max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollouts' top-p nucleus; 1.0 to train (the loss's is the full softmax)
@@ -97,12 +98,14 @@ class Config(config.RunOptions):
     grad_clip: float = 1.0  # gradient clipping: max global grad norm
     old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
-    loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
+    loss: str = "ppo"  # policy loss per token: ppo, gspo, cispo or sapo (policy_token_loss)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
     clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher), CISPO's too
     clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (arXiv 2511.20347; TRL: 1.0)
+    sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
     tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
     loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
         # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo, else token
@@ -318,9 +321,12 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
 
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
     """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero
-    gradient there; CISPO: the weight truncated, the gradient kept). Dual-clip is PPO's alone
-    (verl): the others' bounds cap it."""
+    gradient there; CISPO: the weight truncated, the gradient kept; SAPO: none, its gate only
+    fades). Dual-clip is PPO's alone (verl): the others' bounds cap it."""
     a = adv[:, None]  # (r, 1)
+    if cfg.loss == "sapo":
+        loss, ratio = sapo_token_loss(logp, old_logp, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        return loss, ratio, torch.zeros_like(mask, dtype=torch.bool)
     if cfg.loss == "cispo":
         loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
         return loss, ratio, ratio > 1 + cfg.clip_high

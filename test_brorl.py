@@ -542,6 +542,7 @@ def run_in_process(capsys, *args):
     return exit_info.value.code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_step_run_writes_metrics_plot_and_checkpoint(tmp_path):
     out = tmp_path / "run"
     p = run_cli("--steps", "2", "--eval_every", "1", "--kl_coef", "1e-4", "--ref_reset_every", "1",

@@ -128,10 +128,10 @@ def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimat
     n of the step's R rollouts from its estimated Q (allocate), all sampled in one call (the
     sampler takes each prompt's own n). Every group's rewards update the estimate; dynamic sampling
     drops the all-equal groups, and no further round is drawn, since the budget is spent.
-    sample(batch, n, seeds) is brorl.sample_groups for the policy (lib/ never imports brorl), n a
-    list of each prompt's n: the batch's Groups, and its rewards and lengths as lists of tensors
-    (n_j,). Returns the kept Groups in candidate order, and
-    brorl.sample_step_groups' statistics with the allocation's."""
+    sample(batch, n, seeds) is sample_candidates for the policy (through brorl.sample_share and
+    brorl.Group: lib/ never imports brorl), n a list of each prompt's n: the batch's Groups, and
+    its rewards and lengths as lists of tensors (n_j,). Returns the kept Groups in candidate
+    order, and brorl.sample_step_groups' statistics with the allocation's."""
     B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
     idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
     n = allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()

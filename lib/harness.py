@@ -229,10 +229,10 @@ def start(cfg) -> Run:
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
     # This note is said first, before any other output.
-    if (cfg.loss == "gspo" and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
+    if (cfg.loss in ("gspo", "sapo") and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
             and distributed.is_main()):
-        print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean "
-              "(--loss_agg sequence, gspo's default)")
+        print(f"note: --loss {cfg.loss} with --loss_agg {cfg.loss_agg}: not {cfg.loss.upper()}'s "
+              f"per-sequence mean (--loss_agg sequence, {cfg.loss}'s default)")
     # The checkpoint is ckpt/, or what a crash in its save left.
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None
     state = read_trainer_state(ckpt, cfg) if ckpt else None

@@ -62,6 +62,7 @@ def test_command_line_passes_other_flags_through(capsys):
 # brorl.py: the time budget, the training clock, the probe
 
 
+@pytest.mark.slow
 def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
     budget = 0.4  # CPU seconds: a few tiny steps, however fast the machine
     rows = brorl.train(brorl.parse_config(["--steps", "1000", "--eval_every", "1000", "--time_budget", str(budget),
@@ -79,6 +80,7 @@ def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["time_train_cpu"] > 0
 
 
+@pytest.mark.slow
 def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
     """An evaluation made slow (a sleep inside it) must not move time_train_wall: the clock counts the
     steps only. With the evaluations on the clock it would exceed the run's wall time less the sleeps."""
@@ -131,6 +133,7 @@ def reference_summary(run_dir):
             "mass": evals[-1]["mass_mean"], "mass_fell": evals[-1]["mass_fell"], "correct": evals[-1]["eval_correct"]}
 
 
+@pytest.mark.slow
 def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     argv = ["--grid", "n_rollouts=4,8", "prompts_per_step=4,2", "--seeds", "0", "1", "--jobs", "2",
@@ -226,6 +229,7 @@ def test_paired_needs_the_same_problems_for_the_per_problem_test():
     assert pr["per_problem"] is None and pr["per_seed"]["n"] == 2
 
 
+@pytest.mark.slow
 def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "sweep"
     result = ablate.main(["--grid", f"model={ablate.HERE}/assets/tiny-arith,{tmp_path}/no-model", "--out", str(out),

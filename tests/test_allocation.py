@@ -193,6 +193,7 @@ ADAPTIVE = ["--alloc", "adaptive", "--rollout_budget", "33", "--min_rollouts", "
             "--max_rollouts", "24", "--sample_groups", "2"]
 
 
+@pytest.mark.slow
 def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatch):
     """An adaptive run: every step draws exactly R rollouts, in [min, max] per prompt, and trains
     groups of unequal N (the ragged advantages run); 4 steps == 2 steps, then --resume to 4,
@@ -221,6 +222,7 @@ def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatc
     assert any(x["kind"] == "train" for x in records)  # samples.jsonl of unequal groups
 
 
+@pytest.mark.slow
 def test_uniform_rule_never_touches_the_allocation(tmp_path, monkeypatch):
     """--alloc uniform (the default): no estimate is made, sampled with, or saved; no allocation key
     is logged; the step's metrics are step_metrics' of the one-N path."""
@@ -252,6 +254,7 @@ def test_bad_allocation_flags_fail_with_one_line(flags, word, capsys):
     assert word in err
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_under_adaptive(tmp_path):
     """torchrun (gloo, CPU), K = 2 against one process, --alloc adaptive with groups of unequal N
     (R = 26 over B = 4: 7, 7, 6, 6; --train_rollouts 6: min(m, n) of each): the same allocations,

@@ -295,6 +295,7 @@ def test_training_with_it_equals_training_on_logits(tied, monkeypatch):
 # Compiled for real GPUs: every @triton.jit kernel, ahead of time, no GPU needed
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     rows = bench_kernels.compile_kernels()
     jitted = set(re.findall(r"@triton\.jit\s+def (\w+)", Path(kernels.__file__).read_text()))

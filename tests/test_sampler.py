@@ -144,7 +144,8 @@ def calls_per_n(model, tok, prompts, sizes, seeds, max_rows) -> list:
     return out
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# Two threads on a busy 2-core machine wait on each other: a minute, so slow.
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_each_prompts_own_n_in_one_call_equals_one_call_per_n(random_lm, threads):
     """--alloc adaptive's one call: prompts of unequal lengths and unequal n (groups of 1 to 40; in
     one chunk, and in chunks of 5 rows, a group split into parts) give each prompt exactly the
@@ -205,6 +206,7 @@ def test_static_decode_step_equals_the_sampler(random_lm):
         assert torch.equal(ref[4], got[4])  # truncated
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_the_sampler(random_lm, monkeypatch):
     """The same step compiled (torch.compile, inductor on this CPU) at the smallest shapes (two
     prompts, two rollouts each, three tokens), greedy: the sampler's tokens, and its log-probs to

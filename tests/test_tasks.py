@@ -159,6 +159,7 @@ def gsm8k_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("gsm8k") / "gsm8k.jsonl", rows)
 
 
+@pytest.mark.slow
 def test_gsm8k_run_then_eval_only_of_its_checkpoint(tmp_path, gsm8k_file):
     run, ev = tmp_path / "run", tmp_path / "eval"
     rows = brorl.train(brorl.parse_config(["--task", f"gsm8k:{gsm8k_file}", "--steps", "2", "--eval_every", "2",
@@ -190,6 +191,7 @@ def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
         step0["eval_greedy_pass@1"], step0["eval_resp_len"], step0["eval_truncated"])
 
 
+@pytest.mark.slow
 def test_training_does_not_depend_on_eval_every(tmp_path):
     """Evaluation and the probe draw from their own stream: evaluating at every step or only at the
     end leaves the training trajectory and the final evaluation unchanged."""

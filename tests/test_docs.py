@@ -34,7 +34,7 @@ DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
            "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
-           "diagnostics", "allocation")
+           "diagnostics", "allocation", "step")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -899,5 +899,5 @@ def test_keep_is_counted_before_the_cut_to_b():
     groups generated; the README's legend says so."""
     import inspect
     source = inspect.getsource(import_module("steplog"))
-    assert 'stats["groups_survived"] / max(stats["groups_generated"], 1)' in source
+    assert "stats.groups_survived / max(stats.groups_generated, 1)" in source
     assert "before the cut to B" in readme_legend()["keep"]

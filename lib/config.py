@@ -55,8 +55,9 @@ class RunOptions:
     eval_seed: int = 0  # seed of the held-out draw (eval and probe problems), apart from --seed:
                         # every seed scores the same ones
     eval_max_new_tokens: int = 0  # response length cap in tokens at eval; 0: --max_new_tokens
-    train_prompts: int = 0  # training prompts of keys and sets (train = eval): the eval set's
-                            # first n alone (with B = n, each of them every step); 0: all
+    train_prompts: int = 0  # training prompts of keys and sets (train = eval): the training
+        # task's first n as its eval draw orders them (without --eval_task: the eval set's first
+        # n, each one measured; with B = n, each trained every step); 0: all
     system_prompt: str = ""  # system message before each prompt, which needs a chat template
                              # (default: none)
     long_prompts: str = "refuse"  # what to do with a prompt whose prompt + new tokens pass the
@@ -98,7 +99,8 @@ class RunOptions:
                                 # others' load cannot inflate it)
     # What each evaluation measures beyond pass@k and the probe (lib/diagnostics.py).
     mass_prompts: int = 0  # prompts whose exact correct mass Q (lib/mass.py; arith, keys, sets)
-                           # is computed at every eval: 0 the eval set; n > 0 n train prompts
+        # is computed at every eval: 0 the eval set; n > 0 n train prompts (under --train_prompts
+        # the trained ones' first n)
     gate_small_n: int = 16  # the exact-Q zones' small N: Q >= 1/this is high,
                             # 1/gate_large_n <= Q < 1/this the gate, below it low
     gate_large_n: int = 512  # the exact-Q zones' large N: the gate is where N = 512 samples the
@@ -129,8 +131,9 @@ class RunOptions:
     init_optimizer: bool = False  # with --init_from: its AdamW moments too (lr and weight decay
                                   # are this run's); else a fresh AdamW
     preset: str = ""  # preset: a named bundle of overrides, applied before the other flags
-    eval_only: bool = False  # evaluate --model on the held-out set,
-                             # write <out>/eval.json, train nothing
+    eval_only: bool = False  # evaluate --model on the held-out set, write <out>/eval.json,
+        # train nothing: the recipe's training flags (--lr, --steps, ...) are ignored, the
+        # training options of the run (--train_prompts, --alloc, LoRA, ...) refused
 
 
 # ----------------------------------------------------------------------------
@@ -322,12 +325,17 @@ def resumed_config(parser, config_cls, overrides: dict, preset: str) -> dict:
     if unknown := set(base) - {f.name for f in dataclasses.fields(config_cls)}:
         parser.error(f"--resume {run}: its config.json has fields "
                      f"this brorl.py does not know: {sorted(unknown)}")
+    # Each value typed as the command line types it: JSON's true is an int to Python, so a bool is
+    # refused where a number belongs ("lr": true would train at lr 1.0); an int for a float is one.
     kinds = {f.name: (int, float) if f.type is float else f.type
              for f in dataclasses.fields(config_cls)}
     if bad := [k for k, v in base.items() if not isinstance(v, kinds[k])
-               or (kinds[k] is int and isinstance(v, bool))]:
-        parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not a "
-                     f"{'number' if kinds[bad[0]] == (int, float) else kinds[bad[0]].__name__}")
+               or (kinds[k] is not bool and isinstance(v, bool))]:
+        kind = {int: "an integer", bool: "a boolean (true or false)", str: "a string"}.get(
+            kinds[bad[0]], "a number")
+        parser.error(f"--resume {run}: its config.json holds {bad[0]} = {base[bad[0]]!r}, not "
+                     f"{kind}")
+    base = {k: float(v) if kinds[k] == (int, float) else v for k, v in base.items()}
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     base.update(missing_fields(parser, run, base, overrides, defaults, notes))
     changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]
@@ -461,9 +469,19 @@ COUNTS_ONLY_WITH = {name: ("alloc", "adaptive") for name in
                     ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")}
 
 
+# Options of a training run that --eval_only, which trains nothing, would ignore.
+TRAINING_ONLY = ("train_prompts", "alloc", "rollout_budget", "min_rollouts", "max_rollouts",
+                 "alloc_decay", "lora_rank", "lora_alpha", "lora_targets", "init_from",
+                 "init_optimizer", "mass_balance", "sample_groups", "time_budget", "budget_clock",
+                 "grad_ckpt", "report_to")
+
+
 def unused_flag(cfg, given: dict) -> str:
     """A flag typed on the command line (`given`; a preset's values are not) that would change
     nothing in this run, as one line naming the flag that makes it count, or ''."""
+    if cfg.eval_only and (idle := [k for k in TRAINING_ONLY if k in given]):
+        return (f"--{idle[0]} {given[idle[0]]}: counts only in training, and --eval_only trains "
+                "nothing; drop it")
     for name, (other, value) in COUNTS_ONLY_WITH.items():
         if name in given and getattr(cfg, other) != value:
             return (f"--{name} {given[name]}: counts only with --{other} {value} "
@@ -577,9 +595,12 @@ def check_config(cfg) -> str:
         (cfg.train_prompts == 0 or cfg.task in data.TRAIN_IS_EVAL,
          f"--train_prompts {cfg.train_prompts}: needs a task whose training set is its eval set "
          f"({', '.join(data.TRAIN_IS_EVAL)}), not --task {cfg.task}"),
-        (cfg.train_prompts <= cfg.eval_prompts,
+        (cfg.train_prompts <= cfg.eval_prompts or cfg.eval_task,
          f"--train_prompts {cfg.train_prompts}: the eval set's first n, so at most --eval_prompts "
          f"{cfg.eval_prompts}"),
+        (not cfg.train_prompts or cfg.mass_prompts <= cfg.train_prompts,
+         f"--mass_prompts {cfg.mass_prompts}: under --train_prompts the trained prompts' first n, "
+         f"so at most --train_prompts {cfg.train_prompts}"),
         (math.isfinite(cfg.focal_gamma) and cfg.focal_gamma >= 0,
          f"--focal_gamma {cfg.focal_gamma}: need a finite gamma >= 0 (0: off)"),
         (cfg.eval_prompts >= 1 and cfg.eval_samples >= 1,

@@ -67,7 +67,7 @@ class Diagnostics:
         # The probe's prompts, and those whose exact Q is computed (the latter also followed by
         # --mass_balance when a step does not train them).
         self.probe, self.exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(
-            cfg, run.eval_set)
+            cfg, run.eval_set, run.train_set)
         # Each training prompt's position: where the estimate keeps an eval prompt's Q.
         self.position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
         # The sets task's answer distributions: their prompts, each prompt's right answers, and

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -224,10 +225,17 @@ def metrics_row(line: str):
 # A write that fails: a full disk, a refused permission, said in one line
 
 
+# How the writers that wrap a failed open or write in their own error word it: safetensors'
+# ("IoError", "I/O error: Permission denied (os error 13)") and torch.save's zip writer, a
+# RuntimeError ("open file failed with strerror: Operation not permitted").
+WRAPPED_IO_ERRORS = ("IoError", "I/O error", "open file failed")
+
+
 def is_io_error(e: Exception) -> bool:
     """A failure to write a file, however it surfaces: an OSError (permission, read-only, a full
-    disk, a name in the way), or the message of a writer that wraps one (safetensors' "IoError")."""
-    return isinstance(e, OSError) or is_disk_full(e) or "IoError" in str(e)
+    disk, a name in the way), or the message of a writer that wraps one (WRAPPED_IO_ERRORS)."""
+    return (isinstance(e, OSError) or is_disk_full(e)
+            or any(s in str(e) for s in WRAPPED_IO_ERRORS))
 
 
 def is_disk_full(e: Exception) -> bool:
@@ -254,7 +262,13 @@ def writes_are_one_line(where: Path, what: str):
 
 
 def one_line_reason(e: Exception) -> str:
-    """An error's reason, short: its strerror and the file it names, else its first line."""
+    """An error's reason, short: its strerror and the file it names, else a wrapped one's
+    (torch's "... with strerror: <reason>", safetensors' "I/O error: <reason> (os error n)"), else
+    its first line."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror + (f": {e.filename}" if e.filename else "")
-    return (str(e).splitlines() or [type(e).__name__])[0][:160]
+    first = (str(e).splitlines() or [type(e).__name__])[0]
+    if wrapped := re.search(r"(?:with strerror|I/O error): (.+?)(?: \(os error \d+\))?"
+                            r"(?: at path \"(.*)\")?$", first):
+        return (wrapped.group(1) + (f": {wrapped.group(2)}" if wrapped.group(2) else ""))[:160]
+    return first[:160]

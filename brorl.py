@@ -54,7 +54,7 @@ import torch
 import data
 from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
                  steplog)
-from lib.config import fail
+from lib.errors import fail
 from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
                             max_variance_subset)
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
@@ -63,7 +63,8 @@ from lib.step import Group, SampleStep, StepStats, sample_groups, sample_share
 from sampler import draw_seeds, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the recipe (it extends lib/config.RunOptions); each field a --flag, its comment its help.
+# Config: the recipe and its alternatives (it extends lib/config.RunOptions, the run around it);
+# each field a --flag, its comment its help. CONTRIBUTING.md, rule 7, says which fields go here.
 
 
 @dataclass
@@ -85,6 +86,17 @@ class Config(config.RunOptions):
     # Dynamic sampling, as DAPO's.
     dynamic_sampling: bool = True  # dynamic sampling: drop groups whose rewards are all equal
     max_rounds: int = 8  # dynamic sampling's most rounds a step, each of new prompts (then < B)
+    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
+    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
+    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
+    alloc: str = "uniform"  # rollout allocation: uniform (N a prompt) or adaptive (a step's R
+        # split by each prompt's estimated Q; with PODS, min(m, n) trained)
+    rollout_budget: int = 0  # R: --alloc adaptive's rollouts a step, spent exactly (0: B x N)
+    min_rollouts: int = 4  # --alloc adaptive's floor of rollouts per candidate prompt (>= 2):
+                           # no prompt is dropped for good
+    max_rollouts: int = 512  # --alloc adaptive's most rollouts one prompt gets a step
+    alloc_decay: float = 0.95  # --alloc adaptive's forgetting: its estimate's counts x this a
+                               # step (the policy moves)
     # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
     # trains on the m rollouts of a group whose rewards vary most.
     adv_norm: str = "batch"  # advantages' normalisation: batch, response, group or none
@@ -97,6 +109,13 @@ class Config(config.RunOptions):
     n_minibatches: int = 2  # mini-batches a step, one AdamW update each (fixed as N grows)
     grad_clip: float = 1.0  # gradient clipping: max global grad norm
     old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
+    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
+    # shares the base model.
+    lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
+                        # 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
+        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP)
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
     loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
@@ -115,8 +134,7 @@ class Config(config.RunOptions):
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
     eval_samples: int = 32  # samples per eval prompt (pass@1 their mean, pass@k unbiased; paper 16)
-    probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt whatever N is: Q(x) measured alike
+    eval_max_new_tokens: int = 0  # response length cap in tokens at eval; 0: --max_new_tokens
 
 
 def parse_config(argv=None) -> Config:

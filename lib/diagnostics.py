@@ -18,7 +18,7 @@ reward, the mass balance (lib/balance.py) and samples.jsonl's training responses
 import torch
 
 from lib import allocation, answers, balance, distributed, mass, samples
-from lib.config import fail
+from lib.errors import fail
 from lib.rundir import writes_are_one_line
 from lib.step import Group, SampleStep, StepStats, sample_share
 from sampler import draw_seeds

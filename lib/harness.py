@@ -19,12 +19,12 @@ from tqdm import tqdm
 import data
 from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
-from lib.config import fail, surviving_checkpoint
 from lib.diagnostics import first_references
+from lib.errors import fail
 from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
 from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
-                        write_atomic, writes_are_one_line)
+                        surviving_checkpoint, write_atomic, writes_are_one_line)
 from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
 

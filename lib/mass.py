@@ -25,7 +25,7 @@ import math
 import torch
 
 import data
-from lib.config import fail
+from lib.errors import fail
 from lib.policy import response_logprobs
 from sampler import encode_prompt
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels import linear_logprobs, token_logprobs
 from lib import distributed
-from lib.config import fail
+from lib.errors import fail
 from sampler import cache_kwarg  # importing sampler registers attn_implementation="brorl"
 
 

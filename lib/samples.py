@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from lib import distributed
-from lib.config import fail
+from lib.errors import fail
 from lib.rundir import write_atomic
 from lib.step import Group
 

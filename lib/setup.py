@@ -22,8 +22,9 @@ import data
 import verify
 from lib import distributed, planner
 from lib.checkpoint import checkpoint_dir, is_run_dir
-from lib.config import fail, surviving_checkpoint
+from lib.errors import fail
 from lib.policy import load_policy, split_revision
+from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
 

@@ -1007,11 +1007,11 @@ def test_math_verify_parses_each_gold_once_bounds_a_decided_call_and_never_print
 
 
 def test_the_fields_resume_knows_are_configs():
-    """A field renamed or removed from Config leaves none of config.py's lists naming it."""
-    from lib import config
+    """A field renamed or removed from Config leaves none of the resume policy's lists naming it."""
+    from lib import rundir
     fields = {f.name for f in dataclasses.fields(brorl.Config)}
-    assert set(config.FIELDS_SINCE_RESUME) | set(config.ADDED_FIELDS) <= fields
-    assert set(config.FIXED_ON_RESUME) <= fields
+    assert set(rundir.FIELDS_SINCE_RESUME) | set(rundir.ADDED_FIELDS) <= fields
+    assert set(rundir.FIXED_ON_RESUME) <= fields
 
 
 # ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Citation formats (strict, so that they can be checked):
   `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
                           of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
   `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
-  --preset NAME           NAME is in config.PRESETS; README's presets table agrees with PRESETS
+  --preset NAME           NAME is in presets.PRESETS; docs/running.md's presets table agrees with it
 """
 
 import dataclasses
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 import brorl
-from lib import config
+from lib import config, presets
 import data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
            "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
-           "diagnostics", "allocation", "step")
+           "diagnostics", "allocation", "step", "checks", "presets", "errors")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -182,7 +182,7 @@ def name_problems(root: Path) -> list:
     problems = []
     for doc in DOCS:
         for mod, name in re.findall(rf"`({'|'.join(MODULES)})\.(\w+)`", (root / doc).read_text()):
-            if name in ("py", "md"):
+            if name in ("py", "md", "json", "jsonl"):  # a file (`config.json`), not a name
                 continue
             if not hasattr(import_module(mod), name):
                 problems.append(f"{doc}: `{mod}.{name}`: {mod}.py has no {name}")
@@ -270,8 +270,8 @@ def preset_problems(root: Path) -> list:
     problems = []
     for doc in DOCS:
         for name in re.findall(r"--preset[ =]([\w.-]+)", (root / doc).read_text()):
-            if name not in config.PRESETS and not name.isupper():  # X, NAME: a placeholder
-                problems.append(f"{doc}: --preset {name}: no such preset (config.PRESETS: {sorted(config.PRESETS)})")
+            if name not in presets.PRESETS and not name.isupper():  # X, NAME: a placeholder
+                problems.append(f"{doc}: --preset {name}: no such preset (presets.PRESETS: {sorted(presets.PRESETS)})")
     md = (root / "docs/running.md").read_text()
     header = "\n| preset | model | task | N x B | new tokens |"
     table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
@@ -279,10 +279,10 @@ def preset_problems(root: Path) -> list:
     if not rows:
         return problems + ["docs/running.md: no presets table (| preset | model | task | N x B | new tokens |)"]
     for name, rest in rows:
-        if name not in config.PRESETS:
+        if name not in presets.PRESETS:
             problems.append(f"docs/running.md presets table: {name}: no such preset")
             continue
-        preset, cfg = config.PRESETS[name], {**config_defaults(), **config.PRESETS[name]}
+        preset, cfg = presets.PRESETS[name], {**config_defaults(), **presets.PRESETS[name]}
         model, task, nb, tokens = (c.strip() for c in rest.split(" | "))
         for flag, cell in (("model", model), ("task", task)):
             if (flag in preset) if cell.startswith("your") else not same_value(cell, cfg[flag]):
@@ -389,7 +389,7 @@ def test_preset_help_lists_every_preset(capsys):
     except SystemExit:
         pass
     helptext = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert all(name in helptext for name in config.PRESETS), helptext
+    assert all(name in helptext for name in presets.PRESETS), helptext
 
 
 def test_readme_lists_every_module():
@@ -441,7 +441,7 @@ def test_readme_commands_parse_and_name_each_objective():
               "PODS": lambda c: 0 < c.train_rollouts < c.n_rollouts,
               "LoRA": lambda c: c.lora_rank > 0 and c.lr == 10 * default.lr}
     assert [name for name, ok in wanted.items() if not any(ok(c) for c in cfgs)] == []
-    paper = {**dataclasses.asdict(default), **config.PRESETS["paper"]}
+    paper = {**dataclasses.asdict(default), **presets.PRESETS["paper"]}
     evals = [c for c in cfgs if c.eval_only and c.eval_task.startswith("math:")]  # (arith's: a testbed measured)
     assert not [c for c in cfgs if c.eval_only and c.task.startswith("math:")]
     assert evals and all((c.eval_max_new_tokens or c.max_new_tokens) == paper["eval_max_new_tokens"]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import config, policy, setup, step
+from lib import checks, policy, setup, step
 import data
 import sampler
 import verify
@@ -195,8 +195,8 @@ def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
 
 
 def test_training_refuses_top_p_below_one():
-    assert config.check_config(brorl.Config()) == ""
-    assert config.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
+    assert checks.check_config(brorl.Config()) == ""
+    assert checks.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
 
 
 # ----------------------------------------------------------------------------

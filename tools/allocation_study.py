@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib import mass
-from lib.config import fail
+from lib.errors import fail
 from tools import ablate
 from tools.theorem1_study import mann_whitney, welch
 

@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from lib.config import fail
+from lib.errors import fail
 
 # The install command named when a backend's package is missing: requirements.txt's pins.
 INSTALL = {"tensorboard": "pip install tensorboard==2.21.0", "wandb": "pip install wandb==0.31.0"}

@@ -11,7 +11,8 @@ import torch
 
 from tools import ablate
 import brorl
-from lib import diagnostics, policy
+from lib import diagnostics, policy, step
+import sampler
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
         "--probe_prompts", "2", "--probe_samples", "8", "--max_rows", "256", "--save", "0"]
@@ -103,10 +104,9 @@ def test_probe_uses_probe_samples_whatever_n(monkeypatch):
     model, tok = policy.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
     probe = brorl.data.load_task("arith", "test", n=3, seed=0)
     cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
-    sizes, generate = [], brorl.generate
-    monkeypatch.setattr(brorl, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
-    q, m = diagnostics.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0),
-                                   brorl.sample_share)
+    sizes, generate = [], step.generate
+    monkeypatch.setattr(step, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
+    q, m = diagnostics.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0))
     assert sizes == [7] and q.shape == (3,)
     assert torch.allclose(q * 7, (q * 7).round(), atol=1e-5)  # pass rates of 7 samples
     assert math.isclose(m["mass_mean"], q.double().mean().item(), rel_tol=1e-6)
@@ -251,7 +251,7 @@ def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
     assert report["config"]["p_correct"] == brorl.data.VARIANTS["harder"]["p_correct"]
     assert report["heldout"]["temp1"]["pass@1"] < min(0.01, hard["heldout"]["temp1"]["pass@1"])
     probs = brorl.data.load_task("arith", "test", n=8, seed=5)
-    ro = brorl.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
+    ro = sampler.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
     assert sum(not t and re.fullmatch(r"[0-9]+", x) is not None for x, t in zip(ro.texts, ro.truncated.tolist())) >= 0.9 * len(ro.texts)
 
 

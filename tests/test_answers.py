@@ -224,9 +224,9 @@ def test_eval_only_measures_a_testbed_s_answer_distribution(tmp_path, capsys):
     """--eval_only --answer_prompts: the warm start's answer distribution measured before any run,
     printed and written to eval.json."""
     out = tmp_path / "eval"
-    report = brorl.evalonly.eval_only(brorl.parse_config(
+    report = brorl.eval_only(brorl.parse_config(
         ["--preset", "sets", "--eval_only", "1", "--eval_prompts", "8", "--eval_samples", "2",
-         "--answer_prompts", "3", "--probe_prompts", "2", "--out", str(out)]), brorl.evaluate)
+         "--answer_prompts", "3", "--probe_prompts", "2", "--out", str(out)]))
     assert "every answer of 3 prompts" in capsys.readouterr().out
     m = json.loads((out / "eval.json").read_text())
     answers_m = m["benchmarks"]["sets"]["answers"]

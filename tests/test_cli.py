@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import brorl
-from lib import config, setup
+from lib import config, errors, setup
 import data
 from test_brorl import SMALL, run_in_process
 
@@ -118,6 +118,16 @@ def test_bad_flags_fail_with_one_clear_line_and_write_nothing(tmp_path, capsys, 
     code, err = run_in_process(capsys, *args, "--out", str(out), "--steps", "1")
     assert code != 0 and needle in err, err[-1500:]
     assert not out.exists()
+
+
+def test_fail_is_one_line_and_exit_status_2(capsys):
+    """lib/errors.fail: "error: <what>" alone on stderr, then a BadInput, which is a SystemExit of
+    status 2 (the interpreter exits with it, no traceback) that a caller can tell from another."""
+    with pytest.raises(errors.BadInput) as stop:
+        errors.fail("--lr -1.0: need lr > 0 (0 trains nothing)")
+    assert isinstance(stop.value, SystemExit) and stop.value.code == 2
+    assert stop.value.line == "--lr -1.0: need lr > 0 (0 trains nothing)"
+    assert capsys.readouterr().err == "error: --lr -1.0: need lr > 0 (0 trains nothing)\n"
 
 
 def test_unwritable_out_fails_cleanly(tmp_path, capsys):

@@ -19,7 +19,7 @@ import sampler
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
-# Runs brorl.train as `python brorl.py` would, recording per rank: every sample_share call (this rank's
+# Runs brorl.train as `python brorl.py` would, recording per rank: every lib/step.sample_share call (this rank's
 # prompts and texts, and the rewards of all ranks), every clipped mini-batch's gradient norm and this
 # rank's rows of each of its micro-batches (loss_weights' calls; every rank runs as many), the kept groups it
 # trained each step, the micro-batches it ran with no row, and which
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 RUNNER = textwrap.dedent('''
     import json, os, sys, torch
     import brorl
-    from lib import distributed, policy
+    from lib import diagnostics, distributed, policy, step
     calls, norms, rows, idle, packed, kernel = [], [], [], [0], [], {"linear": 0, "logits": 0}
     weights = brorl.loss_weights
     def recording_weights(mask, *a, **k):
@@ -51,13 +51,14 @@ RUNNER = textwrap.dedent('''
         packed.append(len(kept))
         return pack(kept, *a)
     brorl.pack_groups = counting_pack
-    share = brorl.sample_share
+    share = step.sample_share
     def recording_share(model, tok, examples, n, *a):
         ro, mine, r, *scores = share(model, tok, examples, n, *a)
         calls.append(dict(prompts=[examples[i]["prompt"] for i in mine], texts=ro.texts if ro else [],
                           rewards=r.tolist() if torch.is_tensor(r) else [x.tolist() for x in r]))
         return ro, mine, r, *scores
-    brorl.sample_share = recording_share
+    # every caller's name for it: the rollouts', the evaluation's, the probe's
+    step.sample_share = brorl.sample_share = diagnostics.sample_share = recording_share
     clip = torch.nn.utils.clip_grad_norm_
     def recording_clip(*a, **k):
         norm = clip(*a, **k)

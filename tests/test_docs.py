@@ -15,7 +15,7 @@ Citation formats (strict, so that they can be checked):
   `--flag`                a flag in the docs: a Config field, or a flag of one of our programs or
                           of the launchers named in EXTERNAL_FLAGS; after `brorl.py` only Config's
   `--flag`, default V     in README.md (or "`--flag` (default V"): V is Config's default
-  --preset NAME           NAME is in config.PRESETS; README's presets table agrees with PRESETS
+  --preset NAME           NAME is in presets.PRESETS; docs/running.md's presets table agrees with it
 """
 
 import dataclasses
@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 import brorl
-from lib import config
+from lib import config, presets
 import data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,8 @@ DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
 MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
            "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
-           "diagnostics", "allocation", "distributed", "planner", "balance")
+           "diagnostics", "allocation", "distributed", "planner", "balance", "step", "checks",
+           "presets", "errors")
 FENCE = re.compile(r"^```.*?^```", flags=re.M | re.S)
 FOLDERS = ("", "lib/", "tools/", "tests/")  # where a module may live: the top, the machinery, the programs
 
@@ -182,7 +183,7 @@ def name_problems(root: Path) -> list:
     problems = []
     for doc in DOCS:
         for mod, name in re.findall(rf"`({'|'.join(MODULES)})\.(\w+)`", (root / doc).read_text()):
-            if name in ("py", "md"):
+            if name in ("py", "md", "json", "jsonl"):  # a file (`config.json`), not a name
                 continue
             if not hasattr(import_module(mod), name):
                 problems.append(f"{doc}: `{mod}.{name}`: {mod}.py has no {name}")
@@ -293,8 +294,8 @@ def preset_problems(root: Path) -> list:
     problems = []
     for doc in DOCS:
         for name in re.findall(r"--preset[ =]([\w.-]+)", (root / doc).read_text()):
-            if name not in config.PRESETS and not name.isupper():  # X, NAME: a placeholder
-                problems.append(f"{doc}: --preset {name}: no such preset (config.PRESETS: {sorted(config.PRESETS)})")
+            if name not in presets.PRESETS and not name.isupper():  # X, NAME: a placeholder
+                problems.append(f"{doc}: --preset {name}: no such preset (presets.PRESETS: {sorted(presets.PRESETS)})")
     md = (root / "docs/running.md").read_text()
     header = "\n| preset | model | task | N x B | new tokens |"
     table = md.split(header, 1)[1].split("\n\n", 1)[0] if header in md else ""
@@ -302,10 +303,10 @@ def preset_problems(root: Path) -> list:
     if not rows:
         return problems + ["docs/running.md: no presets table (| preset | model | task | N x B | new tokens |)"]
     for name, rest in rows:
-        if name not in config.PRESETS:
+        if name not in presets.PRESETS:
             problems.append(f"docs/running.md presets table: {name}: no such preset")
             continue
-        preset, cfg = config.PRESETS[name], {**config_defaults(), **config.PRESETS[name]}
+        preset, cfg = presets.PRESETS[name], {**config_defaults(), **presets.PRESETS[name]}
         model, task, nb, tokens = (c.strip() for c in rest.split(" | "))
         for flag, cell in (("model", model), ("task", task)):
             if (flag in preset) if cell.startswith("your") else not same_value(cell, cfg[flag]):
@@ -416,7 +417,7 @@ def test_preset_help_lists_every_preset(capsys):
     except SystemExit:
         pass
     helptext = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    assert all(name in helptext for name in config.PRESETS), helptext
+    assert all(name in helptext for name in presets.PRESETS), helptext
 
 
 def test_readme_lists_every_module():
@@ -469,7 +470,7 @@ def test_readme_commands_parse_and_name_each_objective():
               "PODS": lambda c: 0 < c.train_rollouts < c.n_rollouts,
               "LoRA": lambda c: c.lora_rank > 0 and c.lr == 10 * default.lr}
     assert [name for name, ok in wanted.items() if not any(ok(c) for c in cfgs)] == []
-    paper = {**dataclasses.asdict(default), **config.PRESETS["paper"]}
+    paper = {**dataclasses.asdict(default), **presets.PRESETS["paper"]}
     evals = [c for c in cfgs if c.eval_only and c.eval_task.startswith("math:")]  # (arith's: a testbed measured)
     assert not [c for c in cfgs if c.eval_only and c.task.startswith("math:")]
     assert evals and all((c.eval_max_new_tokens or c.max_new_tokens) == paper["eval_max_new_tokens"]
@@ -730,7 +731,7 @@ WIDE_FILES = (".ci/padded_logprobs.py", "tools/__init__.py", "tools/ablate.py", 
               "tools/bench_kernels.py", "tools/bench_trl.py", "tools/breadth_study.py",
               "tools/massbalance.py", "tools/memcheck.py",
               *(f"tests/test_{name}.py" for name in (
-                  "ablate", "allocation", "bad_inputs", "cli", "data", "distributed", "docs",
+                  "ablate", "bad_inputs", "cli", "data", "distributed", "docs",
                   "kernels", "linear_logprobs", "lora", "mass", "objectives", "onegpu",
                   "readme_commands", "recipe", "rehearsal", "report", "revival_study", "sampler",
                   "tasks", "theorem1_study", "update")))
@@ -965,7 +966,7 @@ def test_keep_is_counted_before_the_cut_to_b():
     groups generated; the README's legend says so."""
     import inspect
     source = inspect.getsource(import_module("steplog"))
-    assert 'stats["groups_survived"] / max(stats["groups_generated"], 1)' in source
+    assert "stats.groups_survived / max(stats.groups_generated, 1)" in source
     assert "before the cut to B" in readme_legend()["keep"]
 
 
@@ -977,7 +978,7 @@ def test_what_a_reader_of_lib_cannot_skip_is_said_alike():
     """brorl.py's map and the README's file table name the same part of lib/ a reader cannot skip,
     and neither calls the algorithm one file (sampler.py, kernels.py and verify.py run it too)."""
     doc = " ".join(brorl.__doc__.split())
-    but = re.search(r"lib/ what a reader may skip but ([\w.]+)", doc)[1]
+    but = re.search(r"which a reader may skip but for ([\w.]+)", doc)[1]
     readme = (ROOT / "README.md").read_text()
     row = next(ln for ln in readme.splitlines() if ln.startswith("| `lib/` |"))
     assert f"skippable but `{but}`" in row, (but, row)
@@ -988,8 +989,9 @@ def test_the_flag_rule_places_its_examples_where_they_are():
     """CONTRIBUTING.md's rule for a new flag: each flag it names for brorl.Config is one of Config's
     own fields, each it names for lib/config.RunOptions one of RunOptions'."""
     rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("7. **A new flag**", 1)[1].split())
-    into_config, into_options = rule.split("A piece of the recipe", 1)[1].split("go in `brorl.Config`", 1)
-    into_options = into_options.split("`lib/config.RunOptions`", 1)[0]
+    into_config, into_options = rule.split("In `brorl.Config` if", 1)[1].split(
+        "In `lib/config.RunOptions` if", 1)
+    into_options = into_options.split("*Its check*", 1)[0]
     options = {f.name for f in dataclasses.fields(config.RunOptions)}
     own = {f.name for f in dataclasses.fields(brorl.Config)} - options
     named = [FLAG.findall(part) for part in (into_config, into_options)]

@@ -14,6 +14,7 @@ from tools import bench_kernels
 import brorl
 from lib import policy
 import kernels
+import sampler
 from kernels import linear_logprobs
 from test_brorl import needs_kernel
 
@@ -232,7 +233,7 @@ def test_plain_head_detection():
 
 
 def _batch(model, tok, n=4):
-    ro = brorl.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
+    ro = sampler.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
     return policy.pack_groups([ro.group(g) for g in range(3)])
 
 

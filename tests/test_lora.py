@@ -10,7 +10,7 @@ import torch
 
 import brorl
 import data
-from lib import evalonly, planner, policy, setup
+from lib import planner, policy, setup
 
 SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2", "--eval_samples", "2",
          "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256", "--lora_rank", "4", "--lr", "2e-3"]
@@ -79,8 +79,8 @@ def test_eval_only_reads_an_adapter_dir(tmp_path):
     params = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
     assert policy.is_lora(model) and params.keys() == saved.keys()
     assert all(torch.equal(params[k], saved[k]) for k in saved)
-    report = evalonly.eval_only(brorl.parse_config(["--eval_only", "--model", str(out / "ckpt"), "--eval_prompts", "4",
-                                                   "--eval_samples", "4", "--out", str(tmp_path / "eval")]), brorl.evaluate)
+    report = brorl.eval_only(brorl.parse_config(["--eval_only", "--model", str(out / "ckpt"), "--eval_prompts", "4",
+                                                 "--eval_samples", "4", "--out", str(tmp_path / "eval")]))
     assert (tmp_path / "eval" / "eval.json").is_file() and 0 <= report["benchmarks"]["arith"]["pass@k"]["1"] <= 1
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import brorl
-from lib import objectives, policy
+from lib import objectives, policy, step
 import data
+import sampler
 
 
 def _batch(seed=0, r=5, T=7):
@@ -171,7 +172,7 @@ def tiny(tmp_path_factory):
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     Qwen2ForCausalLM(mc).save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").eval()
-    ro = brorl.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
+    ro = sampler.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
     batch = policy.pack_groups([ro.group(g) for g in range(2)])
     adv = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     return path, batch, adv
@@ -270,7 +271,7 @@ def test_train_rollouts_advantages_are_over_the_trained_rows(monkeypatch):
     tok = data.build_tokenizer()
     N, m = 8, 4
     pattern = torch.tensor([[1.0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 1, 1, 1]])  # 2 and 6 right of 8
-    monkeypatch.setattr(brorl, "score", lambda ro, *a: pattern[: len(ro.prompt_ids)])
+    monkeypatch.setattr(step, "score", lambda ro, *a: pattern[: len(ro.prompt_ids)])
     seen = {}
     monkeypatch.setattr(brorl, "update_policy", lambda model, ref, opt, batch, adv, *a: seen.update(batch=batch, adv=adv) or {})
     cfg = brorl.Config(n_rollouts=N, train_rollouts=m, prompts_per_step=2, max_new_tokens=6)
@@ -307,7 +308,7 @@ def test_max_variance_subset_is_the_max_over_all_subsets(binary):
 def test_pack_groups_keeps_the_chosen_rows(tmp_path):
     """--train_rollouts: the batch holds exactly the chosen rollouts of each group, in order; keep = all
     rollouts gives the batch of a run without it."""
-    ro = brorl.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
+    ro = sampler.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
                         logp=-torch.rand(6, 2), entropy=torch.rand(6, 2), truncated=torch.zeros(6, dtype=torch.bool),
                         texts=[""] * 6, n=3)
     full = policy.pack_groups([ro.group(0), ro.group(1)])

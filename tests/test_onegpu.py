@@ -51,8 +51,8 @@ def _embedded_batch(n=16, prompts=3, seed=0):
     """Rollouts of the embedded model packed as a training batch, and the model (train mode)."""
     model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     examples = data.load_task("arith", "train", n=prompts, seed=seed)
-    ro = brorl.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
-                        torch.Generator().manual_seed(seed))
+    ro = sampler.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
+                          torch.Generator().manual_seed(seed))
     return model.train(), policy.pack_groups([ro.group(g) for g in range(prompts)])
 
 

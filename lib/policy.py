@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kernels import linear_logprobs, token_logprobs
-from lib import distributed
+from lib import distributed, pretrained
 from lib.attention import unsupported
 from lib.errors import fail
 from sampler import cache_kwarg  # importing sampler registers attn_implementation="brorl"
@@ -43,7 +43,7 @@ def load_policy(name: str, device, flag="--model"):
             fail(f"{flag} {name}: could not load the adapter ({str(e).splitlines()[0]})")
         return (model.to(device), AutoTokenizer.from_pretrained(name)
                 if (Path(name) / "tokenizer_config.json").is_file() else tok)
-    name, revision = split_revision(name)
+    name, revision = split_revision(pretrained.resolve(name, flag))  # an alias: its folder
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")

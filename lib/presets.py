@@ -20,6 +20,17 @@ PRESETS = {
     # each rare; train = eval; the whole answer distribution of 64 of them exact at every eval
     "sets": dict(model=str(data.EMBEDDED_MODEL_SETS), task="sets", eval_prompts=256,
                  eval_samples=16, answer_prompts=64, max_new_tokens=4),
+    # A real pretrained model on this CPU (docs/results/smollm2.md): SmolLM2-135M-Instruct (an
+    # alias, lib/pretrained.py) on two-digit additions in its chat template, a boxed answer for the
+    # math verifier's rules (integers: Math-Verify's worker processes would only cost CPU time).
+    # Its base model is right about 1 time in 20 at the eval's temperature 0.6, and at 1 a step's
+    # groups are mostly all wrong: rollouts at 0.6 too. 48 new tokens: the answer is short; about
+    # 90 CPU seconds a step (fp32, one thread), so 8 steps and three evaluations
+    "smollm2": dict(model="smollm2-135m-instruct", task="math:assets/smollm2/add2.jsonl",
+                    verifier="rules", n_rollouts=16, prompts_per_step=4, max_new_tokens=48,
+                    temperature=0.6, max_rounds=2, lr=1e-5, steps=8, eval_every=4,
+                    eval_prompts=32, eval_samples=4, probe_prompts=4, probe_samples=16,
+                    sample_groups=1),
     # One-GPU jobs (bf16 autocast on CUDA, --grad_ckpt); the planner lowers max_rows and micro_batch
     # to fit the device (`python brorl.py --preset X --plan`). Learning rates are untuned starting
     # points. A 0.5B instruct model on grade-school math

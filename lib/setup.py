@@ -20,7 +20,7 @@ from transformers.utils import logging as hf_logging
 
 import data
 import verify
-from lib import distributed, planner
+from lib import distributed, planner, pretrained
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
 from lib.policy import load_policy, split_revision
@@ -301,7 +301,7 @@ def plan(cfg) -> list:
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
     if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
         name = str(checkpoint_dir(name, "--model"))
-    name, revision = split_revision(name)
+    name, revision = split_revision(pretrained.resolve(name))  # an alias: its folder
     try:
         model_config = AutoConfig.from_pretrained(name, revision=revision)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)

@@ -40,6 +40,11 @@ how much of what the machine's matmuls can do a figure reaches, which a bare tok
 --tiny runs any part (gpu included, on a CPU when there is no GPU) at toy sizes: a check that
 every part still runs (tests/test_bench.py), not a measurement.
 
+--model times a real model instead (a folder, a hub id, or an alias such as smollm2-135m-instruct:
+lib/pretrained.py), its weights as saved: the sampler and the step at each N of --ns (default 64
+and 512) with --new tokens (default 32), from the first prompts of --task (default arith) in the
+model's chat template if it has one. The sampler and the step (TRL's too) get the same prompts.
+
 Commands:
   python -m tools.bench                    # sampler + step on this CPU (fp32, ~2.4M params)
   python -m tools.bench --part sampler --repeats 5
@@ -49,7 +54,10 @@ Commands:
   python -m tools.bench --part compiled    # the compiled decode step vs eager vs generate, 1 and 2
                                            # threads (compiling takes a minute or two)
   python -m tools.bench --save DIR         # write the bench model, tokenizer, prompts.json
+  python -m tools.bench --model smollm2-135m-instruct --task math:assets/smollm2/add2.jsonl \
+      --part sampler --ns 64,512 --new 16 --threads 1      # a real model (docs/results/speed.md)
   bash tools/bench_trl.sh                  # TRL GRPOTrainer on the same model, in its own venv
+  bash tools/bench_trl.sh --model smollm2-135m-instruct 64 --new 16   # ... on a real model
   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python  # TRL interleaved with ours
 """
 
@@ -68,15 +76,17 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Qwen2Config,
+                          Qwen2ForCausalLM)
 from transformers.utils import logging as hf_logging
 
 import brorl
 import data
 from kernels import token_logprobs
 from lib.config import OneLineParser
+from lib.errors import fail
 import sampler
-from lib import setup
+from lib import pretrained, setup
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: children run as `python -m tools.bench`
 
@@ -132,11 +142,29 @@ def save_bench_model(out: Path, arch: str, dtype, seed: int = 0):
     model = Qwen2ForCausalLM(cfg).to(dtype)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    prompts = data.arith_problems("train", 2, seed=seed)  # 2 prompts per step, e.g. "123+456="
-    (out / "prompts.json").write_text(json.dumps([{"prompt": p["prompt"], "answer": p["answer"]} for p in prompts]))
+    write_prompts(out / "prompts.json", data.arith_problems("train", 2, seed=seed))  # e.g. "123+456="
     print(f"bench model '{arch}': {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"V={cfg.vocab_size}, {dtype}, saved to {out}")
     return sum(p.numel() for p in model.parameters())  # the tied embedding counted once
+
+
+def write_prompts(file: Path, examples: list):
+    """The step part's prompts (2 a step), for brorl's children and TRL's alike."""
+    file.write_text(json.dumps([{"prompt": e["prompt"], "answer": e["answer"]} for e in examples]))
+
+
+def real_model(name: str, task: str, out: Path) -> tuple:
+    """--model: (its folder or hub id, its parameter count) for an alias, folder or hub id, and
+    the first 2 training prompts of `task` written to out/prompts.json."""
+    path = pretrained.resolve(name)  # an alias: its folder (converted once, cached)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        fail(f"--model {name}: could not load its config ({str(e).splitlines()[0]})")
+    with torch.device("meta"):  # the shapes alone: no weights read, no memory
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    write_prompts(out / "prompts.json", data.load_task(task, "train", n=2, seed=0))
+    return path, params
 
 
 def load_model(path, attn: str, device, dtype):
@@ -235,9 +263,11 @@ def interleaved(contenders: dict, repeats: int) -> dict:
     return runs
 
 
-def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
+def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor, prompt=None):
+    """prompt: one prompt's token ids for every case (a real model's); else random ones of each
+    case's length."""
     ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
-    ids = random_prompt(24, seed=0)
+    ids = prompt or random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
     a = sampler.generate_group_chunk(ours, [ids], [0], [(1, 0, 1)], 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
@@ -248,7 +278,7 @@ def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor):
           f"{'ratio':>6} | {'floor: brorl':>12} {'generate':>8}")
     results = []
     for n, p, new in cases:
-        ids = random_prompt(p, seed=p)
+        ids = prompt or random_prompt(p, seed=p)
         contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id),
                       "generate": lambda: run_generate(hf, ids, n, new, tok)}
         times = {k: [dt for dt, _ in runs] for k, runs in interleaved(contenders, repeats).items()}
@@ -484,12 +514,12 @@ def compile_pointwise(model):
     return model
 
 
-def bench_compiled_update(path, n, new, micro_batch, steps, threads):
+def bench_compiled_update(path, n, new, micro_batch, steps, threads, prompts=None):
     """rl_step (2 prompts x n, `new` tokens, nothing dropped) with compile_pointwise against eager,
     in one process, steps interleaved: each arm's median rollout and update seconds over `steps`
     steps after a warm-up step (the compiled arm's warm-up includes its compile)."""
     device = torch.device("cpu")
-    tok, examples, cfg = step_setup(path, n, new, micro_batch)
+    tok, examples, cfg = step_setup(path, n, new, micro_batch, prompts)
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         arms = {}
@@ -523,11 +553,12 @@ def bench_compiled_update(path, n, new, micro_batch, steps, threads):
 # Part 2: a full rl_step (rollout + reward + update), one subprocess per configuration
 
 
-def step_setup(model_dir, n, new, micro_batch):
+def step_setup(model_dir, n, new, micro_batch, prompts=None):
     """What a timed rl_step of the bench model needs: the tokenizer that never ends a rollout, the
-    saved prompts (B of them), and a Config of B x n rollouts of `new` tokens, nothing dropped."""
+    saved prompts (B of them; prompts.json beside the model unless a file is given), and a Config
+    of B x n rollouts of `new` tokens, nothing dropped."""
     tok = NeverEos(AutoTokenizer.from_pretrained(model_dir))
-    saved = json.loads((Path(model_dir) / "prompts.json").read_text())
+    saved = json.loads(Path(prompts or Path(model_dir) / "prompts.json").read_text())
     examples = [dict(e, task="arith") for e in saved]
     B = len(examples)
     cfg = brorl.Config(model=str(model_dir), n_rollouts=n, prompts_per_step=B, max_new_tokens=new,
@@ -543,7 +574,8 @@ def step_child(args):
     # brorl's own configuration: fp32 weights, bf16 autocast on CUDA (rl_step applies --dtype auto)
     model = load_model(args.model_dir, "brorl", device, torch.float32)
     model.generation_config.eos_token_id = None  # sampler.generate stops on these ids too
-    tok, examples, cfg = step_setup(args.model_dir, args.n, args.new, args.micro_batch)
+    tok, examples, cfg = step_setup(args.model_dir, args.n, args.new, args.micro_batch,
+                                    args.prompts)
     B = len(examples)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
@@ -561,11 +593,14 @@ def step_child(args):
     print("RESULT " + json.dumps(out))
 
 
-def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floor, trl_python=""):
+def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floor, trl_python="",
+               prompts=None):
+    """prompts: the prompts.json both trainers read (default: the one beside the model)."""
+    prompts = Path(prompts or Path(path) / "prompts.json")
     print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, median of {repeats} "
           f"processes x {steps} steps (after one warm-up step each)")
-    common = ["--model_dir", str(path), "--new", str(new), "--micro_batch", str(micro_batch),
-              "--steps", str(steps), "--threads", str(threads)]
+    common = ["--model_dir", str(path), "--prompts", str(prompts), "--new", str(new),
+              "--micro_batch", str(micro_batch), "--steps", str(steps), "--threads", str(threads)]
     runs = {("brorl", n): [sys.executable, "-m", "tools.bench", "--child", *common] for n in ns}
     if trl_python:  # TRL's GRPOTrainer in its own venv (tools/bench_trl.sh), interleaved with ours
         trl = [trl_python, str(Path(__file__).with_name("bench_trl.py")), *common]
@@ -583,7 +618,7 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floo
           f" | {mem:>12} | {'floor: step':>11} {'rollout':>7} {'update':>7} | step s per process")
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if isinstance(v[0][f], float)}
            for k, v in res.items()}
-    B = len(json.loads((Path(path) / "prompts.json").read_text()))  # prompts per step
+    B = len(json.loads(prompts.read_text()))  # prompts per step
     for (name, n), m in med.items():
         # A step's model FLOPs: its B*N*new response tokens once forward (the rollout) and once
         # forward and backward (the update). The prompts' passes (once per prompt) are left out,
@@ -685,21 +720,45 @@ def main(argv=None):
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see tools/bench_trl.sh)")
-    ap.add_argument("--save", default="", help="only write the bench model to this dir")
+    ap.add_argument("--save", default="", help="only write the bench model to this dir (with "
+                    "--model: only its prompts.json and model_dir, the folder it resolved to)")
+    ap.add_argument("--model", default="", help="time this model (a folder, hub id or alias) instead "
+                    "of the random bench model: sampler and step at each N of --ns")
+    ap.add_argument("--task", default="arith", help="with --model: the task whose first 2 training "
+                    "prompts are timed (any --task of brorl.py)")
+    ap.add_argument("--ns", default="", help="with --model: N values, comma-separated (default 64,512)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes and model: checks that a part runs (any device)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one step-part process
     ap.add_argument("--model_dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, default=64, help=argparse.SUPPRESS)
-    ap.add_argument("--new", type=int, default=32, help=argparse.SUPPRESS)
+    ap.add_argument("--new", type=int, default=None,
+                    help="with --model: new tokens a rollout, sampler and step (default 32)")
+    ap.add_argument("--prompts", default="", help=argparse.SUPPRESS)  # the step children's prompts
     args = ap.parse_args(argv)
     for name in ("repeats", "steps", "micro_batch", "threads", "n", "new"):  # before any work: each must be >= 1
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: need >= 1")
+    if not args.model and not args.child:
+        for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != "arith")):
+            if given:
+                ap.error(f"{flag}: only with --model (the bench model's sizes are fixed: SIZES)")
+    ns = []
+    if args.ns:
+        try:
+            ns = [int(x) for x in args.ns.split(",")]
+        except ValueError:
+            pass
+        if not ns or min(ns) < 1:
+            ap.error(f"--ns {args.ns}: need positive integers, comma-separated (e.g. 64,512)")
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     if args.child:
         return step_child(args)
+    if args.save and args.model:  # what TRL's side needs of a real model (tools/bench_trl.sh)
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        path, _ = real_model(args.model, args.task, Path(args.save))
+        return (Path(args.save) / "model_dir").write_text(path + "\n")
     if args.save:
         return save_bench_model(Path(args.save), "tiny", torch.float32)
     gpu = args.part == "gpu" or (args.part in ("lora", "compiled") and torch.cuda.is_available())
@@ -712,12 +771,27 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp)
-        arch = "0.5b" if gpu and not args.tiny else "tiny"
-        params = save_bench_model(path, arch, dtype)
-        tok = AutoTokenizer.from_pretrained(path)
+        path, prompts, prompt = Path(tmp), Path(tmp) / "prompts.json", None
+        if args.model:  # its weights as saved; its prompts from --task; each N of --ns
+            path, params = real_model(args.model, args.task, Path(tmp))
+            config, tok = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+            if tok.pad_token_id is None:  # as lib/policy.py loads such a tokenizer
+                tok.pad_token = tok.eos_token
+            dims = config.hidden_size, config.intermediate_size
+            prompt = sampler.encode_prompt(tok, json.loads(prompts.read_text())[0]["prompt"])
+            new = args.new or (size["step_new"] if args.tiny else 32)
+            ns = ns or (size["step_ns"] if args.tiny else [64, 512])
+            size = dict(size, sampler=[(n, len(prompt), new) for n in ns], step_ns=ns,
+                        step_new=new)
+            print(f"model {args.model} ({path}): {params / 1e6:.1f}M params, V={config.vocab_size}, "
+                  f"{dtype}; prompt {len(prompt)} tokens (--task {args.task}'s first)")
+        else:
+            arch = "0.5b" if gpu and not args.tiny else "tiny"
+            params = save_bench_model(path, arch, dtype)
+            tok = AutoTokenizer.from_pretrained(path)
+            dims = ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"]
         # the floor before any part, in this process at its thread count (the step's children's)
-        shape = (size["floor_rows"], ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"])
+        shape = (size["floor_rows"], *dims)
         floor = matmul_floor(device, dtype, *shape)
         rows, H, I = shape
         print(f"matmul floor: {floor:.1f} GFLOP/s (the best of 20 timings of 5 torch.mm "
@@ -732,16 +806,17 @@ def main(argv=None):
                            threads, shape)
             if device.type == "cpu":  # the update with the same treatment
                 bench_compiled_update(path, size["step_ns"][0], size["step_new"],
-                                      args.micro_batch, max(args.steps, 5), threads)
+                                      args.micro_batch, max(args.steps, 5), threads, prompts)
             return
         if args.part in ("sampler", "all", "gpu"):
-            bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor)
+            bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor,
+                          prompt)
         if args.part in ("varlen", "all", "gpu"):
             bench_varlen(path, device, dtype, args.repeats, tok, params, floor, *size["varlen"])
         if args.part in ("step", "all", "gpu"):
             trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
             bench_step(path, size["step_ns"], size["step_new"], args.micro_batch, args.steps, args.repeats,
-                       args.threads, params, floor, trl)
+                       args.threads, params, floor, trl, prompts)
         if gpu:
             bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats,
                           tok, params, floor)

@@ -43,6 +43,7 @@ import torch
 import kernels  # sets TRITON_INTERPRET before triton is imported when there is no GPU
 import triton  # noqa: E402
 from kernels import IGNORE_INDEX, KERNEL_DTYPES, linear_logprobs, token_logprobs, token_logprobs_ref  # noqa: E402
+from lib.config import OneLineParser  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
@@ -524,8 +525,16 @@ def _tune(rows=32768, V=151936):
     kernels.BLOCK_R, kernels.BLOCK_V, kernels.NUM_WARPS = default
 
 
+def parse_shape(ap, flag, text, parts):
+    """(a, b, ...) from "AxBx...": `parts` positive integers, else one line naming the flag."""
+    dims = text.split("x")
+    if len(dims) != parts or not all(d.isdigit() and int(d) > 0 for d in dims):
+        ap.error(f"{flag} {text}: need {parts} positive integers joined by 'x', e.g. 4096x576x49152")
+    return tuple(int(d) for d in dims)
+
+
 def main():
-    ap = argparse.ArgumentParser(prog="python -m tools.bench_kernels", description="log-prob kernels: correctness, compiled registers, memory, speed")
+    ap = OneLineParser(prog="python -m tools.bench_kernels", description="log-prob kernels: correctness, compiled registers, memory, speed")
     ap.add_argument("--part", default="all",
                     choices=["all", "correctness", "compiled", "logprobs", "linear", "peers"],
                     help="correctness: the error table; compiled: ptxas registers/spills (no GPU needed); "
@@ -534,12 +543,16 @@ def main():
                     help="GPU logprobs part: rows x V of bf16 logits, comma-separated")
     ap.add_argument("--compiled_shapes", type=int, default=3,
                     help="GPU logprobs part: torch.compile baseline at this many of the first shapes")
+    ap.add_argument("--linear_shape", default="",
+                    help="linear part: positions x H x V (default 4096x896x151936 on a CPU, "
+                         "16384x1536x151936 on a GPU); SmolLM2-135M's head: 4096x576x49152")
     ap.add_argument("--tune", action="store_true", help="GPU: sweep a few launch configs, print fwd+bwd ms")
     ap.add_argument("--trl", default="",
                     help="peers part on a CPU: a Python with TRL 1.16 importable (its own venv)")
     ap.add_argument("--compile-json", action="store_true", help=argparse.SUPPRESS)  # compile_kernels' child
     ap.add_argument("--linear-child", nargs=4, help=argparse.SUPPRESS)  # one measurement of _bench_linear_cpu
     args = ap.parse_args()
+    linear_shape = parse_shape(ap, "--linear_shape", args.linear_shape, 3) if args.linear_shape else ()
     if args.linear_child:
         path, N, D, V = args.linear_child
         return _linear_cpu_child(path, int(N), int(D), int(V))
@@ -554,7 +567,7 @@ def main():
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         _bench_gpu(shapes, args.compiled_shapes) if cuda else _bench_cpu_memory()
     if args.part in ("all", "linear"):
-        _bench_linear_gpu() if cuda else _bench_linear_cpu()
+        _bench_linear_gpu(*linear_shape) if cuda else _bench_linear_cpu(*linear_shape)
     if args.part in ("all", "compiled"):
         _compiled_table()
     if args.part == "peers":  # not in "all": the GPU's is its own step of .ci/gpu

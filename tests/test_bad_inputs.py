@@ -1083,7 +1083,7 @@ OUT_OF_RANGE = [
     ("n_rollouts", 1, "--n_rollouts 1: need N >= 2"),
     ("eval_every", 0, "--eval_every >= 1"),
     ("alloc", "greedy", "--alloc 'greedy': choose uniform or adaptive"),
-    ("loss", "", "--loss '': choose ppo, gspo or cispo"),
+    ("loss", "", "--loss '': choose ppo, gspo, cispo or sapo"),
     ("dtype", "float16", "--dtype 'float16': choose auto, float32 or bfloat16"),
 ]
 

@@ -135,6 +135,7 @@ def every_other(rollouts, answers, task, verifier="rules", tok=None):
     return r.view(-1, rollouts.n) if isinstance(rollouts.n, int) else r  # (B, N) for one n
 
 
+@pytest.mark.slow
 def test_two_training_steps(family, tmp_path, monkeypatch):
     """python brorl.py --model DIR --steps 2, in this process, with every other rollout rewarded:
     each step updates the weights through the family's whole forward and backward."""
@@ -149,6 +150,7 @@ def test_two_training_steps(family, tmp_path, monkeypatch):
         assert not bad and r["grad_norm"] > 0, (name, bad, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, flags", [
     ("gemma2", []),  # tied embeddings, soft-capped logits
     ("phi3", ["--lora_rank", "4", "--lora_targets", "qkv_proj,o_proj,gate_up_proj,down_proj"]),
@@ -181,6 +183,7 @@ def test_a_run_saves_and_resumes_exactly(tmp_path, monkeypatch, name, flags):
 def test_a_family_it_cannot_serve_is_refused_with_one_line(tmp_path, capsys, family_name,
                                                            overrides, needle):
     path = build(family_name, tmp_path / "model", **overrides)
+    capsys.readouterr()  # the model's save may draw a progress bar: not the run's output
     code, err = run_in_process(capsys, "--model", str(path), "--steps", "1",
                                "--out", str(tmp_path / "run"))
     lines = err.strip().splitlines()

@@ -105,7 +105,8 @@ def test_prompt_set():
     """The eval set, or --mass_prompts training problems drawn by --eval_seed alone (not --seed: runs of every
     seed pair prompt by prompt); nothing where a prompt has no canonical answer."""
     from types import SimpleNamespace as NS
-    cfg = lambda **kw: NS(**{**dict(task="arith", mass_prompts=0, eval_seed=0, digits=3), **kw})
+    cfg = lambda **kw: NS(**{**dict(task="arith", mass_prompts=0, train_prompts=0, eval_seed=0,
+                                                digits=3), **kw})
     evals = data.load_task("arith", "test", n=4)
     assert mass.prompt_set(cfg(), evals) == evals
     got = mass.prompt_set(cfg(mass_prompts=50), evals)

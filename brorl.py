@@ -1,12 +1,12 @@
 """
-brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180) in one file. RLVR, scaled along the
-*breadth* axis: hundreds of rollouts per prompt instead of more steps.
+brorl: BroRL (ICML 2026, PMLR 306; arXiv 2510.01180), a function a phase. RLVR, scaled along
+the *breadth* axis: hundreds of rollouts per prompt instead of more steps.
 
 One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL keeps):
   1. rollout     sample N completions for each prompt (sampler.py): each prompt is prefilled ONCE,
                  and its N rollouts decode against that one copy of its keys and values.
-  2. reward      the verifier (verify.py): 1 correct, 0 otherwise; on math, its rules or
-                 Math-Verify (--verifier).
+  2. reward      the verifier (verify.py, called by lib/step.score): 1 correct, 0 otherwise; on
+                 math, its rules or Math-Verify (--verifier).
   3. dynamic     drop the groups whose N rewards are all equal (no signal) and keep sampling new
      sampling    prompts until B groups survive, or until a cap on rounds (then fewer; with none,
                  no update). --alloc adaptive samples its own way (lib/allocation.py).
@@ -38,9 +38,10 @@ Run: `python brorl.py` (the tiny model, a CPU, minutes); `--preset gsm8k-0.5b` (
 runs/<run>`; `torchrun ... brorl.py` (K processes); `--help`, every flag (docs/running.md).
 
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
-embedded model); lib/ what a reader may skip but policy.response_logprobs (flags, harness, model
-plumbing, planner, processes, diagnostics); tools/ the programs run beside training; docs/paper.md
-the paper restated; docs/results/ every figure.
+embedded model); lib/ the machinery (flags, harness, model plumbing, planner, processes,
+diagnostics), which a reader may skip but for step.py (what the phases hand each other: scored
+rollouts, a prompt's Group, the step's statistics) and policy.response_logprobs; tools/ the
+programs run beside training; docs/paper.md the paper restated; docs/results/ every figure.
 """
 
 import math
@@ -51,18 +52,19 @@ from dataclasses import dataclass
 import torch
 
 import data
-import verify
 from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
                  steplog)
-from lib.config import fail
+from lib.errors import fail
 from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
-                            max_variance_subset)
+                            max_variance_subset, sapo_token_loss)
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
                         response_logprobs, trainable)
-from sampler import Rollouts, draw_seeds, generate, round_seeds
+from lib.step import Group, SampleStep, StepStats, sample_groups, sample_share
+from sampler import draw_seeds, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the recipe (it extends lib/config.RunOptions); each field a --flag, its comment its help.
+# Config: the recipe and its alternatives (it extends lib/config.RunOptions, the run around it);
+# each field a --flag, its comment its help. CONTRIBUTING.md, rule 7, says which fields go here.
 
 
 @dataclass
@@ -77,13 +79,25 @@ class Config(config.RunOptions):
     dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: fp32 CPU, bf16 CUDA
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
-    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128)
+    prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128);
+        # under --alloc adaptive, the candidate prompts of its one round, all-equal ones dropped
     max_new_tokens: int = 6  # response length cap in tokens; a truncated response gets reward 0
     temperature: float = 1.0  # rollout temperature, also used by every training log-prob
     top_p: float = 1.0  # rollouts' top-p nucleus; 1.0 to train (the loss's is the full softmax)
     # Dynamic sampling, as DAPO's.
     dynamic_sampling: bool = True  # dynamic sampling: drop groups whose rewards are all equal
     max_rounds: int = 8  # dynamic sampling's most rounds a step, each of new prompts (then < B)
+    # Rollouts per prompt (lib/allocation.py). Uniform gives each prompt N, drawing rounds until B
+    # groups survive; adaptive draws B candidates once and splits R rollouts among them by each
+    # one's estimated Q, to make informative groups likely (with PODS, min(m, n) a group).
+    alloc: str = "uniform"  # rollout allocation: uniform (N a prompt) or adaptive (a step's R
+        # split by each prompt's estimated Q; with PODS, min(m, n) trained)
+    rollout_budget: int = 0  # R: --alloc adaptive's rollouts a step, spent exactly (0: B x N)
+    min_rollouts: int = 4  # --alloc adaptive's floor of rollouts per candidate prompt (>= 2):
+                           # no prompt is dropped for good
+    max_rollouts: int = 512  # --alloc adaptive's most rollouts one prompt gets a step
+    alloc_decay: float = 0.95  # --alloc adaptive's forgetting: its estimate's counts x this a
+                               # step (the policy moves)
     # Advantages (compute_advantages). PODS (arXiv 2504.13818) keeps the breadth of sampling but
     # trains on the m rollouts of a group whose rewards vary most.
     adv_norm: str = "batch"  # advantages' normalisation: batch, response, group or none
@@ -96,13 +110,23 @@ class Config(config.RunOptions):
     n_minibatches: int = 2  # mini-batches a step, one AdamW update each (fixed as N grows)
     grad_clip: float = 1.0  # gradient clipping: max global grad norm
     old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
+    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
+    # shares the base model.
+    lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
+                        # 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
+        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP; Phi-3's
+        # fused ones: qkv_proj,o_proj,gate_up_proj,down_proj)
     # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
-    loss: str = "ppo"  # policy loss per token: ppo, gspo or cispo (policy_token_loss)
+    loss: str = "ppo"  # policy loss per token: ppo, gspo, cispo or sapo (policy_token_loss)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
     clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher), CISPO's too
     clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (arXiv 2511.20347; TRL: 1.0)
+    sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
     tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
     loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
         # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo, else token
@@ -114,8 +138,7 @@ class Config(config.RunOptions):
     eval_every: int = 25  # held-out eval period in steps (also at the start and the end)
     eval_prompts: int = 64  # held-out prompts per eval
     eval_samples: int = 32  # samples per eval prompt (pass@1 their mean, pass@k unbiased; paper 16)
-    probe_prompts: int = 16  # fixed held-out prompts whose correct mass Q(x) is tracked
-    probe_samples: int = 512  # samples per probe prompt whatever N is: Q(x) measured alike
+    eval_max_new_tokens: int = 0  # response length cap in tokens at eval; 0: --max_new_tokens
 
 
 def parse_config(argv=None) -> Config:
@@ -124,105 +147,36 @@ def parse_config(argv=None) -> Config:
 
 
 # ----------------------------------------------------------------------------
-# Rollouts: sampler.generate makes them (tokens, masks, log-probs, entropies, texts; row i is
-# prompt i // N's). Each of K ranks samples a share of the prompts; every rank gets all scores.
+# Rollouts, reward and dynamic sampling. lib/step.py holds what this phase and lib/ share:
+# sample_groups samples each prompt's group (sampler.generate; each of K ranks a share of the
+# prompts) and scores it (lib/step.score: verify.py's verdict, 0 for a truncated response), every
+# rank given every group's rewards; a Group is a prompt's, StepStats what the phase reports.
 
 
-def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
-    """This rank's share of the prompts, n rollouts each (an int, or a list: each prompt's own;
-    one sampler call either way), sampled and scored: its Rollouts (None if none), the share (a
-    range into examples), and ALL prompts' rewards, lengths, truncated flags: (P, n) or P (n_p,)."""
-    mine = distributed.share(len(examples))
-    sizes = [n] * len(examples) if isinstance(n, int) else list(n)
-    # Each prompt's rewards, lengths and truncation flags, padded to the most rollouts.
-    scores = torch.zeros(len(mine), 3, max(sizes, default=0), dtype=torch.float64)  # (P', 3, n)
-    ro = None
-    if len(mine):
-        ro = generate(model, tok, [examples[i]["prompt"] for i in mine],
-                      n if isinstance(n, int) else sizes[mine.start: mine.stop],
-                      max_new or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
-                      seeds[mine.start: mine.stop], cfg.system_prompt)
-        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier,
-                  tok).flatten()  # (this rank's rows,)
-        rows = torch.stack([r, ro.mask.sum(1), ro.truncated]).double()  # (3, this rank's rows)
-        for j, part in enumerate(rows.split(sizes[mine.start: mine.stop], 1)):
-            scores[j, :, : part.shape[1]] = part
-    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
-    own = lambda x: x if isinstance(n, int) else [x[i, :k] for i, k in enumerate(sizes)]
-    return ro, mine, *map(own, (r.float(), lengths, truncated))  # or each (n_p,) for a list
-
-
-# ----------------------------------------------------------------------------
-# Reward and dynamic sampling
-
-
-def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
-          tok=None) -> torch.Tensor:
-    """Rewards (B, N), or (sum n_j,) for prompts of unequal n: the verifier on each response; a
-    truncated one scores 0. A response is scored with the <think> its prompt opened (R1-Distill's
-    template ends with one), so that an unfinished think block does not count."""
-    prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
-    # Whether each prompt leaves a think block open. (B,)
-    opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]
-    n = rollouts.n if isinstance(rollouts.n, list) else [rollouts.n] * len(prompts)
-    owner = [p for p, k in enumerate(n) for _ in range(k)]  # (B*N,) each row's prompt
-    texts = [opened[p] + t for p, t in zip(owner, rollouts.texts)]
-    golds = [answers[p] for p in owner]
-    # Each response's verdict; a truncated response's is then set to 0. (B*N,)
-    r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier),
-                     dtype=torch.float32)
-    r[rollouts.truncated] = 0.0
-    return r.view(-1, rollouts.n) if isinstance(rollouts.n, int) else r
-
-
-@dataclass
-class Group:
-    """A prompt's group: its rewards and lengths (every rank's), its rollouts at `index` (one's)."""
-    rewards: torch.Tensor  # (N,) one per rollout
-    lengths: torch.Tensor  # (N,) valid tokens per response
-    rollouts: Rollouts = None
-    index: int = None
-    example: dict = None  # its prompt (the mass balance's)
-
-
-def sample_groups(model, tok, cfg, batch, n, seeds) -> tuple:
-    """n rollouts of each prompt of batch at the training temperature, this rank's share sampled,
-    all scored: a Group for each prompt, and all the rewards and lengths (P, n)."""
-    ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
-                                           seeds)
-    groups = [Group(r[g], lengths[g], *((ro, g - mine.start) if g in mine else ()),
-                    example=batch[g]) for g in range(len(batch))]
-    return groups, r, lengths
-
-
-def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
+def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est) -> tuple:
     """Sample groups until B survive dynamic sampling (or max_rounds hits): at most B kept Groups,
-    and the statistics. Every rank draws the same prompts and sees every group's rewards, so all
-    keep the same groups."""
+    and the StepStats. Every rank draws the same prompts and sees every group's rewards, so all
+    keep the same groups (lib/step.SampleStep states this phase's signature)."""
     B, N = cfg.prompts_per_step, cfg.n_rollouts
-    kept, stats = [], dict(groups_generated=0, groups_survived=0, rounds=0, rewards=[], tokens=0)
-    while len(kept) < B and stats["rounds"] < cfg.max_rounds:
+    kept, stats = [], StepStats()
+    while len(kept) < B and stats.rounds < cfg.max_rounds:
         # Ask for enough prompts to fill B at the keep rate seen so far (this step's, else recent
         # steps'), at most 4B a round. Without dynamic sampling every group is kept, so exactly
         # the B needed are drawn.
-        rate = (stats["groups_survived"] / stats["groups_generated"] if stats["groups_generated"]
+        rate = (stats.groups_survived / stats.groups_generated if stats.groups_generated
                 else keep_est)
         want = (min(math.ceil((B - len(kept)) / max(rate, 0.1)), 4 * B) if cfg.dynamic_sampling
                 else B - len(kept))
         want = min(want, len(train_set))  # A round's prompts are distinct: at most the whole set.
         batch = rng.sample(train_set, want)  # the same prompts on every rank
-        seeds = round_seeds(cfg.seed, step, stats["rounds"], want)
-        groups, r, lengths = sample_groups(model, tok, cfg, batch, N, seeds)  # (want, N) each
-        stats["rounds"] += 1
-        stats["groups_generated"] += want
-        stats["tokens"] += int(lengths.sum())
-        stats["rewards"].append(r)
-        steplog.note_sampled_right(stats, cfg.task, groups)  # (keys, sets: the prompts right)
+        seeds = round_seeds(cfg.seed, step, stats.rounds, want)
+        groups = sample_groups(model, tok, cfg, batch, N, seeds)  # want Groups of N rollouts
+        stats.count(groups, cfg.task)  # (keys, sets: also the prompts sampled right)
         informative = [x for x in groups if x.rewards.min() != x.rewards.max()]
         kept += informative if cfg.dynamic_sampling else groups
-        stats["groups_survived"] = len(kept)
+        stats.groups_survived = len(kept)
     kept = kept[:B]  # DAPO keeps exactly B, so the last round's extra survivors are dropped.
-    stats["groups_kept"] = len(kept)
+    stats.groups_kept = len(kept)
     return kept, stats
 
 
@@ -230,7 +184,7 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est):
 # Advantages, over the rows the update trains on: flat, group-major, each with its group's index
 
 
-def trained_rows(kept: list, m: int = 0) -> tuple:
+def trained_rows(kept: list[Group], m: int = 0) -> tuple:
     """The rows trained on, of each kept group the m whose rewards vary most (PODS; m = 0: all):
     the chosen (G tensors (m_j,), indices among n), each row's group, reward, tokens (R,) each."""
     chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
@@ -318,9 +272,12 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
 
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
     """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero
-    gradient there; CISPO: the weight truncated, the gradient kept). Dual-clip is PPO's alone
-    (verl): the others' bounds cap it."""
+    gradient there; CISPO: the weight truncated, the gradient kept; SAPO: none, its gate only
+    fades). Dual-clip is PPO's alone (verl): the others' bounds cap it."""
     a = adv[:, None]  # (r, 1)
+    if cfg.loss == "sapo":
+        loss, ratio = sapo_token_loss(logp, old_logp, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+        return loss, ratio, torch.zeros_like(mask, dtype=torch.bool)
     if cfg.loss == "cispo":
         loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
         return loss, ratio, ratio > 1 + cfg.clip_high
@@ -420,16 +377,15 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            sample=None) -> dict:
+            sample: SampleStep = sample_step_groups) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
     replica: the policy's full weights, for the rollouts (the policy itself when K = 1). sample:
-    the rollout and dynamic sampling phases (default sample_step_groups; train() gives its own)."""
+    the rollout, reward and dynamic sampling phases (train() gives the run's own)."""
     replica.eval()
     t0 = time.perf_counter()
     # No weight changes while sampling, so the autocast region's cache stays valid.
     with autocast(cfg, replica.device):
-        kept, stats = (sample or sample_step_groups)(replica, tok, cfg, train_set, rng, step,
-                                                     keep_est)
+        kept, stats = sample(replica, tok, cfg, train_set, rng, step, keep_est)
     t_roll = time.perf_counter() - t0
     upd = {}
     if kept:  # Else every group was all right or all wrong: nothing to learn from this step.
@@ -445,7 +401,7 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
     return steplog.step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
-def pack_rows(kept: list, chosen: list, adv: torch.Tensor, dev) -> tuple:
+def pack_rows(kept: list[Group], chosen: list, adv: torch.Tensor, dev) -> tuple:
     """The update's batch: each kept group's chosen rollouts moved to the rank that trains it
     (K = 1: all stay here), this rank's groups packed into one batch (pack_groups) that carries
     every rank's rows' lengths (G tensors (m_j,)); and this rank's rows' advantages (its rows,)."""
@@ -489,6 +445,15 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
             "eval_responses": responses}
 
 
+def eval_only(cfg: Config) -> dict:
+    """--eval_only: --model's held-out evaluation, drawn exactly as a run's step-0 evaluation,
+    with the exact Q; eval.json written (lib/evalonly.py). Nothing is trained."""
+    ev = evalonly.start(cfg)
+    with torch.no_grad(), autocast(ev.cfg, ev.device):
+        m = evaluate(ev.model, ev.tok, ev.eval_set, ev.cfg, ev.gen)
+    return evalonly.finish(ev, m)
+
+
 # ----------------------------------------------------------------------------
 # The loop
 
@@ -513,8 +478,8 @@ def train(cfg: Config) -> list:
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
     # The step's sampling: sample_step_groups, or --alloc adaptive's; --mass_balance watches it.
-    sample = diagnostics.watch_sampling(allocation.sampler(estimate, sample_share, Group)
-                                        if estimate else sample_step_groups, cfg, diag.exact_set)
+    sample = diagnostics.watch_sampling(allocation.sampler(estimate) if estimate
+                                        else sample_step_groups, cfg, diag.exact_set)
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the
@@ -523,7 +488,7 @@ def train(cfg: Config) -> list:
         gen = setup.eval_generator(run.device, cfg.seed, step)
         with run.amp():
             m = evaluate(replica, tok, run.eval_set, cfg, gen)
-            mq, q = diag.measure(replica, tok, gen, sample_share, step, q_start)
+            mq, q = diag.measure(replica, tok, gen, step, q_start)
         return {**m, **mq}, q
 
     if start == 0:
@@ -555,6 +520,6 @@ if __name__ == "__main__":
     if cfg.plan:
         setup.plan(cfg)  # the memory plan, loading no weights
     elif cfg.eval_only:
-        evalonly.eval_only(cfg, evaluate)  # eval.json of --model
+        eval_only(cfg)  # eval.json of --model
     else:
         train(cfg)

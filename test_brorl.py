@@ -33,6 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 import brorl  # noqa: E402
 import data  # noqa: E402
 import kernels  # noqa: E402
+from lib import step  # noqa: E402
 from tools import massbalance as mb  # noqa: E402
 from kernels import token_logprobs, token_logprobs_ref  # noqa: E402
 
@@ -311,21 +312,21 @@ def test_dynamic_sampling_keeps_b_informative_groups(random_lm, monkeypatch):
     calls = iter([torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]]),  # round 1: 1 of 3 informative
                   torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0],
                                 [0.0, 0.0]])])
-    monkeypatch.setattr(brorl, "score", lambda ro, answers, *a: next(calls))
+    monkeypatch.setattr(step, "score", lambda ro, answers, *a: next(calls))
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=3, max_new_tokens=2, max_rounds=5)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     rng = random.Random(0)
     # prompts asked for: ceil(3 / 1.0) = 3, then at this step's rate ceil(2 / (1/3)) = 6
     want = iter([3, 6])
-    orig = brorl.generate
+    orig = step.generate
     def spy(model, tok, prompts, *a, **k):
         assert len(prompts) == next(want)
         return orig(model, tok, prompts, *a, **k)
-    monkeypatch.setattr(brorl, "generate", spy)
+    monkeypatch.setattr(step, "generate", spy)
     kept, stats = brorl.sample_step_groups(model, tok, cfg, train, rng, 1, keep_est=1.0)
-    assert stats["groups_generated"] == 9 and stats["rounds"] == 2
-    assert stats["groups_survived"] == 4  # keep_rate counts survivors before truncation: 4 / 9
-    assert stats["groups_kept"] == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
+    assert stats.groups_generated == 9 and stats.rounds == 2
+    assert stats.groups_survived == 4  # keep_rate counts survivors before truncation: 4 / 9
+    assert stats.groups_kept == 3 and len(kept) == 3  # the 4th survivor is dropped: exactly B
     assert all(g.rewards.min() != g.rewards.max() and g.rollouts is not None for g in kept)
 
 
@@ -336,12 +337,12 @@ def all_wrong(ro, answers, *a):
 
 def test_dynamic_sampling_gives_up_after_max_rounds(random_lm, monkeypatch):
     model, tok = random_lm
-    monkeypatch.setattr(brorl, "score", all_wrong)
+    monkeypatch.setattr(step, "score", all_wrong)
     cfg = brorl.Config(n_rollouts=2, prompts_per_step=2, max_new_tokens=2, max_rounds=3)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     kept, stats = brorl.sample_step_groups(model, tok, cfg, train, random.Random(0), 1,
                                            keep_est=0.5)
-    assert kept == [] and stats["rounds"] == 3 and stats["groups_kept"] == 0
+    assert kept == [] and stats.rounds == 3 and stats.groups_kept == 0
 
 
 def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
@@ -354,13 +355,13 @@ def test_without_dynamic_sampling_exactly_b_groups_are_generated(monkeypatch):
                                      mask=torch.ones(R, 2, dtype=torch.bool),
                                      truncated=torch.zeros(R, dtype=torch.bool))
 
-    monkeypatch.setattr(brorl, "generate", fake_generate)
-    monkeypatch.setattr(brorl, "score", all_wrong)
+    monkeypatch.setattr(step, "generate", fake_generate)
+    monkeypatch.setattr(step, "score", all_wrong)
     cfg = brorl.Config(n_rollouts=4, prompts_per_step=3, dynamic_sampling=False)
     train = [dict(prompt=f"{i}+1=", answer=str(i + 1), task="arith") for i in range(50)]
     kept, stats = brorl.sample_step_groups(None, None, cfg, train, random.Random(0), None,
                                            keep_est=0.5)
-    assert asked == [3] and len(kept) == 3 and stats["groups_generated"] == 3
+    assert asked == [3] and len(kept) == 3 and stats.groups_generated == 3
 
 
 # ----------------------------------------------------------------------------
@@ -542,6 +543,7 @@ def run_in_process(capsys, *args):
     return exit_info.value.code, capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_step_run_writes_metrics_plot_and_checkpoint(tmp_path):
     out = tmp_path / "run"
     p = run_cli("--steps", "2", "--eval_every", "1", "--kl_coef", "1e-4", "--ref_reset_every", "1",

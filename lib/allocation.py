@@ -20,12 +20,14 @@ budget: the tests check it against brute force. Knapsack RL allocates by a value
 Reinforce-Ada and sGPO size groups from the success rate too.
 
 A step under --alloc adaptive (sample_allocated_groups) replaces brorl.sample_step_groups: the
-rollout and dynamic sampling phases, with one round of B candidates sized by allocate.
+rollout, reward and dynamic sampling phases, with one round of B candidates sized by allocate.
 """
+
+import functools
 
 import torch
 
-from lib import steplog
+from lib.step import SampleStep, StepStats, sample_groups
 from sampler import round_seeds
 
 # the prior: PRIOR_COUNT pseudo-rollouts (an unseen prompt's estimate moves with its first group) at
@@ -123,53 +125,36 @@ def calibration(estimate: Estimate, positions: list, log10_q: list) -> dict:
             "alloc_calib_abs_log10": (est - exact).abs().mean().item(), "alloc_calib_corr": corr}
 
 
-def sample_allocated_groups(sample, cfg, train_set, rng, step, estimate: Estimate) -> tuple:
-    """One step's rollouts under --alloc adaptive: one round of B candidate prompts, each given its
-    n of the step's R rollouts from its estimated Q (allocate), all sampled in one call (the
-    sampler takes each prompt's own n). Every group's rewards update the estimate; dynamic sampling
-    drops the all-equal groups, and no further round is drawn, since the budget is spent.
-    sample(batch, n, seeds) is brorl.sample_groups for the policy (lib/ never imports brorl), n a
-    list of each prompt's n: the batch's Groups, and its rewards and lengths as lists of tensors
-    (n_j,). Returns the kept Groups in candidate order, and
-    brorl.sample_step_groups' statistics with the allocation's."""
+def sample_allocated_groups(model, tok, cfg, train_set, rng, step, keep_est,
+                            estimate: Estimate) -> tuple:
+    """One step's rollouts under --alloc adaptive, in brorl.sample_step_groups' signature
+    (lib/step.SampleStep; keep_est unused): one round of B candidate prompts, each given its n of
+    the step's R rollouts from its estimated Q (allocate), all sampled in one call (the sampler
+    takes each prompt's own n). Every group's rewards update the estimate; dynamic sampling drops
+    the all-equal groups, and no further round is drawn, since the budget is spent. Returns the
+    kept Groups in candidate order, and the StepStats with the allocation's."""
     B, R = cfg.prompts_per_step, cfg.rollout_budget or cfg.prompts_per_step * cfg.n_rollouts
     idx = rng.sample(range(len(train_set)), B)  # the candidates' positions, the same on every rank
     n = allocate(estimate.q_hat(idx), R, cfg.min_rollouts, cfg.max_rollouts).tolist()
     seeds = round_seeds(cfg.seed, step, 0, B)  # one a candidate: rollouts of (seed, step, prompt)
-    # One sampler call for all B candidates, each its own n: B Groups, and their lengths (n_j,).
-    groups, _, lengths = sample([train_set[i] for i in idx], n, seeds)
-    tokens = int(sum(x.sum() for x in lengths))
+    # One sampler call for all B candidates, each its own n: B Groups of n_j rollouts.
+    groups = sample_groups(model, tok, cfg, [train_set[i] for i in idx], n, seeds)
     estimate.update(idx, [x.rewards for x in groups])  # identical on every rank: all rewards
     informative = [bool(x.rewards.min() != x.rewards.max()) for x in groups]  # (B,)
     kept = [x for x, useful in zip(groups, informative) if useful or not cfg.dynamic_sampling]
-    # The statistics of brorl.sample_step_groups: each group's rewards (1, n_j), one round.
-    stats = dict(groups_generated=B, groups_survived=len(kept), groups_kept=len(kept), rounds=1,
-                 rewards=[x.rewards[None] for x in groups], tokens=tokens,
-                 alloc_n_min=min(n), alloc_n_median=torch.tensor(n).double().quantile(0.5).item(),
-                 alloc_n_max=max(n), informative_per_1k=1000 * sum(informative) / R,
-                 rollouts_dropped=sum(s for s, useful in zip(n, informative) if not useful)
-                 if cfg.dynamic_sampling else 0)
-    steplog.note_sampled_right(stats, cfg.task, groups)  # (keys, sets: the prompts right)
+    stats = StepStats()
+    stats.count(groups, cfg.task)  # one round (keys, sets: also the prompts sampled right)
+    stats.groups_survived = stats.groups_kept = len(kept)
+    # The allocation: rollouts per prompt, informative groups per 1,000 rollouts, those dropped.
+    stats.alloc_n_min, stats.alloc_n_max = min(n), max(n)
+    stats.alloc_n_median = torch.tensor(n).double().quantile(0.5).item()
+    stats.informative_per_1k = 1000 * sum(informative) / R
+    stats.rollouts_dropped = (sum(s for s, useful in zip(n, informative) if not useful)
+                              if cfg.dynamic_sampling else 0)
     return kept, stats
 
 
-def sample_candidates(sample_share, group, model, tok, cfg, batch, n: list, seeds) -> tuple:
-    """All candidates in one brorl.sample_share call (n: each prompt's own), each made a brorl.Group
-    (`group`) holding its own rollouts, so that a group's rows are at j as in a group of one n:
-    the Groups, and each one's rewards and lengths (P tensors (n_p,))."""
-    ro, mine, r, lengths, _ = sample_share(model, tok, batch, n, cfg.temperature, cfg.top_p, cfg,
-                                           seeds)
-    groups = [group(r[g], lengths[g], *((ro.group(g - mine.start), 0) if g in mine else ()),
-                    example=batch[g]) for g in range(len(batch))]
-    return groups, r, lengths
-
-
-def sampler(estimate: Estimate, sample_share, group):
-    """--alloc adaptive's sampling phase in brorl.sample_step_groups' signature, for brorl.rl_step:
-    sample_allocated_groups with `estimate`, its candidates sampled by sample_candidates through
-    brorl.sample_share and brorl.Group (lib/ never imports brorl)."""
-    def sample_step(model, tok, cfg, train_set, rng, step, keep_est):
-        sample = lambda batch, n, seeds: sample_candidates(sample_share, group, model, tok, cfg,
-                                                           batch, n, seeds)
-        return sample_allocated_groups(sample, cfg, train_set, rng, step, estimate)
-    return sample_step
+def sampler(estimate: Estimate) -> SampleStep:
+    """--alloc adaptive's sampling phase for brorl.rl_step: sample_allocated_groups with
+    `estimate`."""
+    return functools.partial(sample_allocated_groups, estimate=estimate)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import data
-from lib.config import fail
+from lib.errors import fail
 from lib.mass import ids_batch
 from lib.policy import response_logprobs
 from lib.rundir import replace_atomic

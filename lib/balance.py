@@ -31,9 +31,10 @@ import torch
 
 from lib import answers
 from lib.mass import exact_log_mass
+from lib.step import Group
 
 
-def sampled_sets(group, keep: torch.Tensor, space_index: dict) -> tuple:
+def sampled_sets(group: Group, keep: torch.Tensor, space_index: dict) -> tuple:
     """The distinct answers a group's trained rollouts (those in keep) drew, as indices into the
     space (A: outside the space, a truncated response included), and their mean reward."""
     ro = group.rollouts.group(group.index, keep)
@@ -77,7 +78,7 @@ class Snapshot:
     whole answer distributions and the log Q of the other prompts followed (the exact-Q set's).
     kept: the step's Groups; followed: the prompts followed, those of kept excepted."""
 
-    def __init__(self, model, tok, cfg, kept: list, followed: list):
+    def __init__(self, model, tok, cfg, kept: list[Group], followed: list):
         trained = [k.example for k in kept]
         trained_prompts = {x["prompt"] for x in trained}
         others = [x for x in followed if x["prompt"] not in trained_prompts]
@@ -89,7 +90,7 @@ class Snapshot:
                                            cfg.system_prompt)  # (O,) the right values' sequences
 
 
-def records(before: Snapshot, after: Snapshot, kept: list, keep: torch.Tensor) -> dict:
+def records(before: Snapshot, after: Snapshot, kept: list[Group], keep: torch.Tensor) -> dict:
     """The step's mass balance: per trained group its four parts' mass before and after, the
     theorem's terms and the measured change of Q; and the mean change of log10 Q of the other
     prompts. kept: the step's Groups; keep (G, m): the rollouts of each that the update trained on.

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from lib import distributed
-from lib.config import fail, surviving_checkpoint
-from lib.rundir import is_io_error, writes_are_one_line, one_line_reason
+from lib.errors import fail
+from lib.rundir import is_io_error, one_line_reason, surviving_checkpoint, writes_are_one_line
 
 
 def save_atomic(model, tok, cfg, state: dict, path: Path):
@@ -23,7 +23,7 @@ def save_atomic(model, tok, cfg, state: dict, path: Path):
     the previous one stays whole until the new one is. `state` is what --resume needs besides the
     policy: step, AdamW state, every random generator, the reference policy, the step-0 probe mass.
     A crash before or between the two renames leaves a whole ckpt.tmp (its trainer_state.pt is
-    written last) and ckpt.old or ckpt/ (config.surviving_checkpoint); a full disk leaves the
+    written last) and ckpt.old or ckpt/ (rundir.surviving_checkpoint); a full disk leaves the
     previous checkpoint as it was and no temp dir."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     not_written = f"the checkpoint of step {state['step']} was not written"

@@ -10,7 +10,7 @@ the same random stream, and logs its metrics in the same row:
   - with --alloc adaptive, the estimate's calibration against the exact Q (lib/allocation.py);
   - with --answer_prompts (sets task), every answer's probability and Figure 3's measures
     (lib/answers.py).
-Sampling goes through brorl.sample_share, passed in by the caller: lib/ never imports brorl.
+The probe samples through lib/step.sample_share, as brorl.evaluate does.
 And what each training step records beside its update (step_records, after it): the trained rows'
 reward, the mass balance (lib/balance.py) and samples.jsonl's training responses (lib/samples.py).
 """
@@ -18,21 +18,22 @@ reward, the mass balance (lib/balance.py) and samples.jsonl's training responses
 import torch
 
 from lib import allocation, answers, balance, distributed, mass, samples
-from lib.config import fail
+from lib.errors import fail
 from lib.rundir import writes_are_one_line
+from lib.step import Group, SampleStep, StepStats, sample_share
 from sampler import draw_seeds
 
 
-def probe_mass(model, tok, probe, cfg, gen, sample, start=None) -> tuple:
+def probe_mass(model, tok, probe, cfg, gen, start=None) -> tuple:
     """Correct mass Q(x) of each probe prompt, estimated by the pass rate of --probe_samples
     rollouts at the training temperature (not N, so that runs with different N are measured
     alike). Per prompt, it is an analogy to Theorem 1's Q_pos; pass@k(x) = 1 - (1 - Q(x))^k rises
-    with it (docs/paper.md §3). sample is brorl.sample_share. Returns Q (P,) and the metrics,
+    with it (docs/paper.md §3). Returns Q (P,) and the metrics,
     with the shares of prompts whose Q rose or fell since `start` (Q at step 0) when given."""
     seeds = draw_seeds(gen, len(probe))
     # Each prompt's pass rate over its samples. (P,)
-    q = sample(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg,
-               seeds)[2].mean(1)
+    q = sample_share(model, tok, probe, cfg.probe_samples, cfg.temperature, cfg.top_p, cfg,
+                     seeds)[2].mean(1)
     m = {"mass_mean": q.mean().item()}
     if start is not None:
         delta = q - start  # (P,)
@@ -66,7 +67,7 @@ class Diagnostics:
         # The probe's prompts, and those whose exact Q is computed (the latter also followed by
         # --mass_balance when a step does not train them).
         self.probe, self.exact_set = run.eval_set[: cfg.probe_prompts], mass.prompt_set(
-            cfg, run.eval_set)
+            cfg, run.eval_set, run.train_set)
         # Each training prompt's position: where the estimate keeps an eval prompt's Q.
         self.position = {x["prompt"]: i for i, x in enumerate(run.train_set)}
         # The sets task's answer distributions: their prompts, each prompt's right answers, and
@@ -75,11 +76,11 @@ class Diagnostics:
         self.right = answers.right_mask(self.answer_set, self.space)
         self.first = run.first_answers
 
-    def measure(self, model, tok, gen, sample, step, q_start=None) -> tuple:
+    def measure(self, model, tok, gen, step, q_start=None) -> tuple:
         """This evaluation's diagnostics of model: their metrics, and the probe's Q (P,). gen is
-        the evaluation's random stream, after brorl.evaluate; sample is brorl.sample_share."""
+        the evaluation's random stream, after brorl.evaluate."""
         cfg = self.cfg
-        q, m = probe_mass(model, tok, self.probe, cfg, gen, sample, start=q_start)
+        q, m = probe_mass(model, tok, self.probe, cfg, gen, start=q_start)
         # The exact Q and its zones (lib/mass.py).
         m.update(mass.exact_mass(model, tok, self.exact_set, cfg))
         if step == 0 and self.exact_set:
@@ -106,11 +107,11 @@ class Diagnostics:
 # What a training step records beside its update
 
 
-def watch_sampling(sample, cfg, followed: list):
-    """A step's sampling function (brorl.sample_step_groups' signature) that with --mass_balance,
-    on its steps, also takes the kept groups' answer distributions before any update (a
-    balance.Snapshot, in stats["balance_before"]), for step_records to compare with after it;
-    sample itself without. followed: the prompts whose Q is followed when not trained."""
+def watch_sampling(sample: SampleStep, cfg, followed: list) -> SampleStep:
+    """A step's sampling phase that with --mass_balance, on its steps, also takes the kept
+    groups' answer distributions before any update (a balance.Snapshot, the StepStats'
+    balance_before), for step_records to compare with after it; sample itself without.
+    followed: the prompts whose Q is followed when not trained."""
     if not cfg.mass_balance:
         return sample
 
@@ -118,12 +119,13 @@ def watch_sampling(sample, cfg, followed: list):
         kept, stats = sample(model, tok, cfg, train_set, rng, step, keep_est)
         if kept and step % cfg.mass_balance == 0:
             with torch.autocast(model.device.type, enabled=False):  # as after it: no autocast
-                stats["balance_before"] = balance.Snapshot(model, tok, cfg, kept, followed)
+                stats.balance_before = balance.Snapshot(model, tok, cfg, kept, followed)
         return kept, stats
     return sample_and_snapshot
 
 
-def step_records(model, tok, cfg, kept: list, chosen: list, adv: torch.Tensor, stats) -> dict:
+def step_records(model, tok, cfg, kept: list[Group], chosen: list, adv: torch.Tensor,
+                 stats: StepStats) -> dict:
     """After a step's update, of model (the updated policy): on --mass_balance's steps, each
     trained group's mass balance (lib/balance.py, against watch_sampling's snapshot); the rewards
     of the rows trained on and of all rollouts of the kept groups; with --sample_groups, the first
@@ -131,9 +133,9 @@ def step_records(model, tok, cfg, kept: list, chosen: list, adv: torch.Tensor, s
     the step's Groups; chosen: each one's trained rollouts (G tensors (m_j,)); adv (R,) the
     trained rows' advantages, group-major."""
     m = {}
-    if "balance_before" in stats:  # The four parts' mass, Theorem 1's terms, the others' Q.
+    if stats.balance_before is not None:  # The four parts' mass, Theorem 1's terms, the others' Q.
         model.eval()
-        before = stats["balance_before"]
+        before = stats.balance_before
         after = balance.Snapshot(model, tok, cfg, kept, before.followed)
         m.update(balance.records(before, after, kept, chosen))
     trained = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)

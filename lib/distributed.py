@@ -143,8 +143,8 @@ def micro_batches(rows: torch.Tensor, n_groups: int, n, size: int) -> list:
     holding the groups in share(n_groups, k)) as indices into its own batch, in micro-batches of
     `size`, in the order of `rows`. Every rank gets as many micro-batches as the busiest rank needs
     (a rank with fewer runs empty ones: every rank joins each of FSDP's collectives). K = 1: rows,
-    in micro-batches. n: rows per group, or a list of each group's (groups of unequal N: --alloc
-    adaptive)."""
+    in micro-batches. n: rows per group, or a list of each group's (what training passes, through
+    RowLayout, whatever the groups' sizes)."""
     K, mine = world_size(), share(n_groups)
     ends = ([0] + torch.tensor(n, dtype=torch.long).cumsum(0).tolist()
             if isinstance(n, list) else None)
@@ -161,15 +161,17 @@ def micro_batches(rows: torch.Tensor, n_groups: int, n, size: int) -> list:
 
 class RowLayout:
     """The update's R rows over all ranks, group-major (each group's responses in turn, rank k
-    holding the groups in share(G, k)). lengths: (G, m) valid tokens per response, or G tensors
-    (m_j,) for groups of unequal N (--alloc adaptive). Every rank knows every row's length, so the
-    loss's normalisers are alike on every rank; each rank computes only the rows it holds."""
+    holding the groups in share(G, k)). lengths: G tensors (m_j,), each response's valid tokens,
+    as training passes them (brorl.pack_rows), whatever the groups' sizes; a (G, m) tensor
+    (policy.pack_groups' for equal groups) is read as its G rows, so that every caller takes
+    training's one path. Every rank knows every row's length, so the loss's normalisers are alike
+    on every rank; each rank computes only the rows it holds."""
 
     def __init__(self, lengths, micro_batch: int, device):
-        ragged = not torch.is_tensor(lengths)
+        lengths = list(lengths)  # G tensors (m_j,)
         self.n_groups = len(lengths)
-        self.per_group = [len(x) for x in lengths] if ragged else lengths.shape[1]  # m, or each m_j
-        self.tokens = torch.cat(lengths) if ragged else lengths.flatten()  # (R,) every rank's rows
+        self.per_group = [len(x) for x in lengths]  # each m_j
+        self.tokens = torch.cat(lengths)  # (R,) every rank's rows
         self.micro_batch, self.device = micro_batch, device
 
     def __len__(self) -> int:

@@ -1,6 +1,7 @@
 """
 evalonly.py: --eval_only, the held-out evaluation of --model drawn exactly as a run's step-0
-evaluation, written as <out>/eval.json and printed as a table. Nothing is trained.
+evaluation, written as <out>/eval.json and printed as a table. Nothing is trained. brorl.eval_only
+reads as start, brorl.evaluate, finish.
 """
 
 import dataclasses
@@ -17,28 +18,49 @@ from lib.rundir import make_run_dir, write_atomic
 from lib.setup import eval_generator, setup, stop_on_ctrl_c
 
 
-def eval_only(cfg, evaluate) -> dict:
-    """--eval_only: the held-out evaluation of --model by `evaluate` (brorl.evaluate), drawn exactly
-    as a run's step-0 evaluation (same eval set, same random stream). No optimizer, no reference,
-    nothing written but eval.json. With K processes each samples its share of the prompts and rank 0
-    writes."""
+@dataclasses.dataclass
+class EvalOnly:
+    """What --eval_only evaluates (start makes it): the resolved config, the device, --model and
+    its tokenizer, the held-out set and the random stream of a run's step-0 evaluation, the
+    folder of eval.json with its lock, and when it began."""
+    cfg: object
+    device: torch.device
+    model: torch.nn.Module
+    tok: object
+    eval_set: list
+    gen: torch.Generator
+    out: Path
+    lock: object
+    t0: float
+
+
+def start(cfg) -> EvalOnly:
+    """--eval_only's setup: --model loaded (no optimizer, no reference) and its held-out set,
+    drawn exactly as a run's step-0 evaluation (same eval set, same random stream); eval.json's
+    folder made. With K processes each samples its share of the prompts and rank 0 writes."""
     stop_on_ctrl_c("interrupted: no eval.json written")
     cfg, device, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
     out, lock = make_run_dir(cfg, fresh=False)  # eval.json may go beside a run's files
-    t0 = time.perf_counter()
-    with torch.no_grad(), autocast(cfg, device):
-        m = evaluate(model.eval(), tok, eval_set, cfg, eval_generator(device, cfg.seed, 0))
-        # The exact correct mass Q of each prompt gives the testbed's zones.
-        m.update(mass.exact_mass(model, tok, mass.prompt_set(cfg, eval_set), cfg))
+    return EvalOnly(cfg, device, model.eval(), tok, eval_set, eval_generator(device, cfg.seed, 0),
+                    out, lock, time.perf_counter())
+
+
+def finish(ev: EvalOnly, m: dict) -> dict:
+    """--eval_only's report from brorl.evaluate's metrics m of ev.model, with the exact correct
+    mass of each prompt (the testbed's zones) and, on the sets task, every answer's probability:
+    eval.json written and printed as a table; the report returned."""
+    cfg = ev.cfg
+    with torch.no_grad(), autocast(cfg, ev.device):
+        m.update(mass.exact_mass(ev.model, ev.tok, mass.prompt_set(cfg, ev.eval_set), cfg))
         if cfg.answer_prompts:  # the sets task: every answer of its first prompts (lib/answers.py)
-            answer_set, space = eval_set[: cfg.answer_prompts], answers.space(cfg.task)
-            logp = answers.distribution(model, tok, answer_set, space, cfg.temperature,
+            answer_set, space = ev.eval_set[: cfg.answer_prompts], answers.space(cfg.task)
+            logp = answers.distribution(ev.model, ev.tok, answer_set, space, cfg.temperature,
                                         cfg.system_prompt)  # (P, A)
             m.update(answers.eval_metrics(logp, answers.right_mask(answer_set, space)))
-    report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(eval_set),
-                         time.perf_counter() - t0)
+    report = eval_report(cfg, {cfg.eval_task or cfg.task: m}, len(ev.eval_set),
+                         time.perf_counter() - ev.t0)
     if distributed.is_main():
-        write_eval(out / "eval.json", report)
+        write_eval(ev.out / "eval.json", report)
         print(eval_table(report))
         if "mass_exact_mean" in m:
             print(f"exact correct mass at T = {cfg.temperature} (lib/mass.py), "
@@ -52,7 +74,7 @@ def eval_only(cfg, evaluate) -> dict:
                   f"{m['answers_q']:.4g}, mass outside the answers {m['answers_outside']:.2g}, "
                   f"entropy {m['answers_entropy']:.3g} nats, exact pass@1024 "
                   f"{m['answers_pass@1024']:.3f}")
-        lock.release()
+        ev.lock.release()
     stop_on_ctrl_c("")
     distributed.teardown()
     return report

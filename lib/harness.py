@@ -19,12 +19,12 @@ from tqdm import tqdm
 import data
 from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
-from lib.config import fail, surviving_checkpoint
 from lib.diagnostics import first_references
+from lib.errors import fail
 from lib.objectives import aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
 from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
-                        write_atomic, writes_are_one_line)
+                        surviving_checkpoint, write_atomic, writes_are_one_line)
 from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
 
@@ -220,6 +220,16 @@ class Run:
         return self.rows
 
 
+def check_estimate(cfg, estimate: dict, train_set: list):
+    """--alloc adaptive's per-prompt estimate, saved by position in the training set, against this
+    training set: another size (--train_prompts changed on resume) is one line, before any write."""
+    if len(estimate["a"]) != len(train_set):
+        fail(f"--resume {cfg.resume}: its checkpoint's --alloc adaptive estimate covers "
+             f"{len(estimate['a'])} training prompts, this run's training set holds "
+             f"{len(train_set)} (--train_prompts {cfg.train_prompts}): resume with the run's own "
+             "training set, or start a new run from it with --init_from")
+
+
 def start(cfg) -> Run:
     """Set a training run up: seeds, processes, data, the policy (--resume: the checkpoint's;
     --init_from: that run's policy), a LoRA adapter, --grad_ckpt, the memory plan (lowers max_rows
@@ -229,10 +239,10 @@ def start(cfg) -> Run:
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
     # This note is said first, before any other output.
-    if (cfg.loss == "gspo" and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
+    if (cfg.loss in ("gspo", "sapo") and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
             and distributed.is_main()):
-        print(f"note: --loss gspo with --loss_agg {cfg.loss_agg}: not GSPO's per-sequence mean "
-              "(--loss_agg sequence, gspo's default)")
+        print(f"note: --loss {cfg.loss} with --loss_agg {cfg.loss_agg}: not {cfg.loss.upper()}'s "
+              f"per-sequence mean (--loss_agg sequence, {cfg.loss}'s default)")
     # The checkpoint is ckpt/, or what a crash in its save left.
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None
     state = read_trainer_state(ckpt, cfg) if ckpt else None
@@ -250,6 +260,8 @@ def start(cfg) -> Run:
     flag = "--resume" if ckpt else "--init_from" if init else "--model"
     policy = str(ckpt or init or cfg.model)
     cfg, device, train_set, eval_set, model, tok, longest = setup(cfg, policy, flag)
+    if state and cfg.alloc == "adaptive" and state.get("estimate") is not None:
+        check_estimate(cfg, state["estimate"], train_set)
     if init:  # config.json names the weights the run began from
         cfg = dataclasses.replace(cfg, model=str(init))
     if cfg.lora_rank and not is_lora(model):  # (a LoRA checkpoint is loaded with its adapter)

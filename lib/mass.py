@@ -25,24 +25,26 @@ import math
 import torch
 
 import data
-from lib.config import fail
+from lib.errors import fail
 from lib.policy import response_logprobs
 from sampler import encode_prompt
 
 CANONICAL_TASKS = ("arith", "keys", "sets")  # tasks whose right answers are listed token sequences
 
 
-def prompt_set(cfg, eval_set) -> list:
+def prompt_set(cfg, eval_set, train_set=None) -> list:
     """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts
     training prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair
-    prompt by prompt); none unless every one has listed right answers (the integer rule's tasks:
-    arith, keys, sets)."""
+    prompt by prompt), under --train_prompts the first of those trained (train_set); none unless
+    every one has listed right answers (the integer rule's tasks: arith, keys, sets)."""
     if cfg.task not in CANONICAL_TASKS:
         return []
     try:
         # The keys task has 512 prompts at most.
-        rows = eval_set if cfg.mass_prompts == 0 else data.load_task(
-            cfg.task, "train", n=cfg.mass_prompts, seed=cfg.eval_seed, digits=cfg.digits)
+        rows = (eval_set if cfg.mass_prompts == 0 else
+                train_set[: cfg.mass_prompts] if cfg.train_prompts and train_set else
+                data.load_task(cfg.task, "train", n=cfg.mass_prompts, seed=cfg.eval_seed,
+                               digits=cfg.digits))
     except ValueError as e:  # more than an arith split holds (few digits)
         fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
     # A set with another task's rows (e.g. --eval_task math:...) has no exact Q.

@@ -1,11 +1,11 @@
 """
 objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a
-drop-in for one piece of it. --loss gspo and --loss cispo replace PPO-clip's per-token loss
-(brorl.policy_token_loss picks one; with --loss gspo, --loss_agg auto is GSPO's per-sequence mean:
-aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal weight;
---train_rollouts m trains each group on the m of its N rollouts whose rewards vary most (PODS),
-keeping the breadth of sampling without the update's cost. The paper's own pieces (PPO-clip with
-dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
+drop-in for one piece of it. --loss gspo, cispo and sapo replace PPO-clip's per-token loss
+(brorl.policy_token_loss picks one; with --loss gspo or sapo, --loss_agg auto is their papers'
+per-sequence mean: aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal
+weight; --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most
+(PODS), keeping the breadth of sampling without the update's cost. The paper's own pieces
+(PPO-clip with dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
 """
 
 import torch
@@ -14,10 +14,12 @@ import torch
 def aggregation(loss: str, loss_agg: str) -> str:
     """--loss_agg as run: auto is the per-sequence mean with --loss gspo (its paper's objective,
     and what verl hard-codes inside its GSPO loss: a token mean would weigh each sequence's ratio
-    by its length, another gradient on ragged batches), the token mean (DAPO's) otherwise."""
+    by its length, another gradient on ragged batches) and with --loss sapo (what verl hard-codes
+    and TRL runs for it: each sequence's token mean, then the mean over sequences), the token mean
+    (DAPO's) otherwise."""
     if loss_agg != "auto":
         return loss_agg
-    return "sequence" if loss == "gspo" else "token"
+    return "sequence" if loss in ("gspo", "sapo") else "token"
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -69,3 +71,18 @@ def cispo_token_loss(logp, old_logp, adv, clip_high):
     clip_ratio_high."""
     ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
     return -ratio.clamp(max=1 + clip_high).detach() * adv[:, None] * logp, ratio
+
+
+def sapo_token_loss(logp, old_logp, adv, tau_pos, tau_neg):
+    """SAPO (arXiv 2511.20347), per token (r, T): -sigmoid(tau (ratio - 1)) * (4 / tau) * A, tau
+    tau_pos where A > 0 and tau_neg otherwise (TRL's sapo_temperature_pos / _neg, verl's tau_pos /
+    tau_neg: 1.0 and 1.05). Where PPO's clip cuts a token's gradient off at the trust region's
+    edge, SAPO's sigmoid gate fades it smoothly: the objective's gradient is 4 s (1 - s) ratio A
+    d logp, s the sigmoid, so at ratio 1 (s = 1/2) it is the policy gradient exactly, and it
+    shrinks as the ratio leaves 1; the larger tau_neg fades negative-advantage tokens faster, as
+    they are the less stable. On policy (the first mini-batch of a step, fp32) it is the policy
+    gradient."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))  # (r, T)
+    a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
+    tau = torch.where(a > 0, tau_pos, tau_neg).to(ratio.dtype)  # (r, 1)
+    return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * a, ratio

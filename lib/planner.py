@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lib import distributed
 import kernels
 from lib import policy
-from lib.config import fail
+from lib.errors import fail
 from sampler import MIN_ROWS, encode_prompt, padded_len
 
 GB = 2**30

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from kernels import linear_logprobs, token_logprobs
 from lib import distributed, pretrained
 from lib.attention import unsupported
-from lib.config import fail
+from lib.errors import fail
 from sampler import cache_kwarg  # importing sampler registers attn_implementation="brorl"
 
 
@@ -47,6 +47,7 @@ def load_policy(name: str, device, flag="--model"):
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1  # not "org/name"
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")
+    check_model_config(Path(name).expanduser(), flag)
     try:
         check_embedding_shape(Path(name).expanduser(), flag)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
@@ -69,6 +70,21 @@ def load_policy(name: str, device, flag="--model"):
         tok.pad_token = tok.eos_token
     check_tokenizer(tok, model, name, flag)
     return model.to(device), tok
+
+
+def check_model_config(path: Path, flag: str):
+    """A local directory's config.json must be a model's (it names its model_type): one that is
+    neither a model's nor a whole run's (a run's with a field removed: lib/checkpoint.is_run_dir)
+    would reach transformers, which reads a run's "dtype": "auto" as a torch dtype. A missing or
+    unreadable one is left to the load, which names it."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict) and "model_type" not in config:
+        fail(f"{flag} {path}: its config.json is neither a model's (it lacks model_type) nor a "
+             "whole run's (it lacks n_rollouts)" if "task" in config else
+             f"{flag} {path}: its config.json is not a model's (it lacks model_type)")
 
 
 def check_embedding_shape(path: Path, flag: str):

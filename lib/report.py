@@ -14,11 +14,11 @@ import json
 import os
 from pathlib import Path
 
-from lib.config import fail
+from lib.errors import fail
 
 # The install command named when a backend's package is missing: requirements.txt's pins.
 INSTALL = {"tensorboard": "pip install tensorboard==2.21.0", "wandb": "pip install wandb==0.31.0"}
-# The per-step keys of brorl.step_metrics that describe the rollouts; the rest of a training row
+# The per-step keys of steplog.step_metrics that describe the rollouts; the rest of a training row
 # is the update's.
 ROLLOUT = ("reward_mean", "keep_rate", "groups_kept", "sample_rounds", "samples", "zero_adv_frac",
            "pass@1", "pass@N", "resp_len", "tokens_per_s")

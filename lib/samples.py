@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 from lib import distributed
-from lib.config import fail
+from lib.errors import fail
 from lib.rundir import write_atomic
+from lib.step import Group
 
 RESPONSE_CHARS = 4000  # a longer response keeps its first 1000 and last 3000 characters
 MAX_STEPS = 64  # steps of each kind kept; default run: 5 evaluations
@@ -55,12 +56,12 @@ def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
         for i in mine if i < cfg.sample_prompts for j in range(min(cfg.sample_responses, n))])
 
 
-def group_records(kept, keep, adv, tok, cfg) -> list:
+def group_records(kept: list[Group], keep, adv, tok, cfg) -> list:
     """--sample_groups: the first trained responses of the step's first groups, with their
     advantages, gathered from the ranks that sampled them (every rank calls this: all hold the same
-    kept groups). kept: sample_step_groups' brorl.Group list; keep: G tensors (m_j,), the trained
-    rollouts' indices among each group's n; adv: G tensors (m_j,), their advantages (a (G, m)
-    tensor each serves as well). A record's row is found through its own group's n."""
+    kept groups). kept: the step's kept Groups; keep: G tensors (m_j,), the trained rollouts'
+    indices among each group's n; adv: G tensors (m_j,), their advantages (a (G, m) tensor each
+    serves as well). A record's row is found through its own group's n."""
     if not cfg.sample_groups:  # the same on every rank: no collective
         return []
     records = []

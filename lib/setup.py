@@ -22,8 +22,9 @@ import data
 import verify
 from lib import distributed, planner, pretrained
 from lib.checkpoint import checkpoint_dir, is_run_dir
-from lib.config import fail, surviving_checkpoint
+from lib.errors import fail
 from lib.policy import load_policy, split_revision
+from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
 
@@ -62,8 +63,8 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
         longest = max(longest, longest_train)
     eval_set = random.Random(cfg.eval_seed + 1).sample(held_out, min(cfg.eval_prompts,
                                                                    len(held_out)))
-    if cfg.train_prompts and train_set is not None:  # the eval set's first n: every one measured
-        train_set = eval_set[: cfg.train_prompts]
+    if cfg.train_prompts and train_set is not None:
+        train_set = trained_prompts(cfg, train_set, eval_set)
         check_train_size(cfg, train_set)
     for name in ("probe_prompts", "answer_prompts"):  # the probe's, the answer distributions'
         if getattr(cfg, name) > len(eval_set):  # the eval set's first ones: all, recorded as used
@@ -74,6 +75,18 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     if bad := next((n for n, p in model.named_parameters() if not torch.isfinite(p).all()), None):
         fail(f"{flag} {policy}: its weight {bad} holds NaN or inf; refusing to sample from it")
     return cfg, device, train_set, eval_set, model, tok, longest
+
+
+def trained_prompts(cfg, train_set: list, eval_set: list) -> list:
+    """--train_prompts n: the training task's first n prompts in the order its eval set is drawn
+    (without --eval_task, the eval set's first n: every one measured at every eval; with one, the
+    training set drawn as an eval set of it would be). More than the set holds: one line."""
+    drawn = (random.Random(cfg.eval_seed + 1).sample(train_set, len(train_set)) if cfg.eval_task
+             else eval_set)
+    if cfg.train_prompts > len(drawn):
+        fail(f"--train_prompts {cfg.train_prompts}: --task {cfg.task}'s "
+             f"{'training' if cfg.eval_task else 'eval'} set holds {len(drawn)} prompts")
+    return drawn[: cfg.train_prompts]
 
 
 def stop_on_ctrl_c(note: str):

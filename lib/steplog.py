@@ -8,44 +8,34 @@ from pathlib import Path
 
 import torch
 
-import data
 from lib.rundir import replace_atomic
+from lib.step import StepStats
 
 
-def step_metrics(stats, t_roll, t_upd, upd) -> dict:
+def step_metrics(stats: StepStats, t_roll, t_upd, upd) -> dict:
     """The per-step dict: rollout statistics over ALL generated groups, before filtering. Groups of
-    unequal N (--alloc adaptive, each its own (1, n_j) row of stats["rewards"]): reward and pass@1
-    over all rollouts, zero_adv_frac and pass@N over groups, as with one N; and the allocation's."""
-    groups = [g for x in stats["rewards"] for g in x]  # each generated group's rewards (n_j,)
-    # Every rollout's reward, in the (groups, N) tensor's order when there is one N.
-    rewards = torch.cat(groups)  # (rollouts generated,)
-    top = torch.stack([g.max() for g in groups])  # (groups,)
-    bottom = torch.stack([g.min() for g in groups])  # (groups,)
+    unequal n (--alloc adaptive): reward and pass@1 over all rollouts, zero_adv_frac and pass@N
+    over groups, as with one N; and the allocation's."""
+    rewards = torch.cat(stats.rewards)  # (rollouts generated,) every rollout's, group-major
+    top = torch.stack([g.max() for g in stats.rewards])  # (groups,)
+    bottom = torch.stack([g.min() for g in stats.rewards])  # (groups,)
     # --alloc adaptive's statistics; with keys and sets, the prompts a rollout got right.
-    extra = ("alloc_n_min", "alloc_n_median", "alloc_n_max", "informative_per_1k",
-             "rollouts_dropped", "sampled_right")
+    extra = {k: getattr(stats, k) for k in ("alloc_n_min", "alloc_n_median", "alloc_n_max",
+                                            "informative_per_1k", "rollouts_dropped",
+                                            "sampled_right")}
     return {
         "reward_mean": rewards.mean().item(),
         # The share of generated groups that survived, before the truncation to B.
-        "keep_rate": stats["groups_survived"] / max(stats["groups_generated"], 1),
-        "groups_kept": stats["groups_kept"], "sample_rounds": stats["rounds"],
+        "keep_rate": stats.groups_survived / max(stats.groups_generated, 1),
+        "groups_kept": stats.groups_kept, "sample_rounds": stats.rounds,
         "samples": rewards.numel(),  # rollouts generated this step, dropped groups included
         "zero_adv_frac": (top == bottom).float().mean().item(),
         "pass@1": rewards.mean().item(), "pass@N": (top > 0).float().mean().item(),
-        "resp_len": stats["tokens"] / rewards.numel(),
-        "tokens_per_s": stats["tokens"] / max(t_roll, 1e-9),
+        "resp_len": stats.tokens / rewards.numel(),
+        "tokens_per_s": stats.tokens / max(t_roll, 1e-9),
         "time_rollout": t_roll, "time_update": t_upd,
-        **{k: stats[k] for k in extra if k in stats}, **upd,
+        **{k: v for k, v in extra.items() if v is not None}, **upd,
     }
-
-
-def note_sampled_right(stats: dict, task: str, groups: list) -> None:
-    """Where every training prompt is also evaluated (data.TRAIN_IS_EVAL), add to
-    stats["sampled_right"] the prompts of the generated groups (brorl.Group) with a right rollout,
-    so that the prompts a run never sampled right can be told from metrics.jsonl."""
-    if task in data.TRAIN_IS_EVAL:
-        right = [g.example["prompt"] for g in groups if g.rewards.max() > 0]
-        stats.setdefault("sampled_right", []).extend(right)
 
 
 def log_line(m: dict) -> str:

@@ -11,7 +11,8 @@ import torch
 
 from tools import ablate
 import brorl
-from lib import diagnostics, policy
+from lib import diagnostics, policy, step
+import sampler
 
 TINY = ["--n_rollouts", "8", "--prompts_per_step", "2", "--eval_prompts", "4", "--eval_samples", "4",
         "--probe_prompts", "2", "--probe_samples", "8", "--max_rows", "256", "--save", "0"]
@@ -62,6 +63,7 @@ def test_command_line_passes_other_flags_through(capsys):
 # brorl.py: the time budget, the training clock, the probe
 
 
+@pytest.mark.slow
 def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
     budget = 0.4  # CPU seconds: a few tiny steps, however fast the machine
     rows = brorl.train(brorl.parse_config(["--steps", "1000", "--eval_every", "1000", "--time_budget", str(budget),
@@ -79,6 +81,7 @@ def test_time_budget_stops_at_the_first_step_boundary_past_it(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["time_train_cpu"] > 0
 
 
+@pytest.mark.slow
 def test_evaluations_are_off_the_training_clock(tmp_path, monkeypatch):
     """An evaluation made slow (a sleep inside it) must not move time_train_wall: the clock counts the
     steps only. With the evaluations on the clock it would exceed the run's wall time less the sleeps."""
@@ -101,10 +104,9 @@ def test_probe_uses_probe_samples_whatever_n(monkeypatch):
     model, tok = policy.load_policy(str(brorl.data.EMBEDDED_MODEL), torch.device("cpu"))
     probe = brorl.data.load_task("arith", "test", n=3, seed=0)
     cfg = brorl.Config(n_rollouts=4, probe_samples=7, verifier="rules")
-    sizes, generate = [], brorl.generate
-    monkeypatch.setattr(brorl, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
-    q, m = diagnostics.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0),
-                                   brorl.sample_share)
+    sizes, generate = [], step.generate
+    monkeypatch.setattr(step, "generate", lambda m, t, prompts, n, *a: sizes.append(n) or generate(m, t, prompts, n, *a))
+    q, m = diagnostics.probe_mass(model, tok, probe, cfg, torch.Generator().manual_seed(0))
     assert sizes == [7] and q.shape == (3,)
     assert torch.allclose(q * 7, (q * 7).round(), atol=1e-5)  # pass rates of 7 samples
     assert math.isclose(m["mass_mean"], q.double().mean().item(), rel_tol=1e-6)
@@ -131,6 +133,7 @@ def reference_summary(run_dir):
             "mass": evals[-1]["mass_mean"], "mass_fell": evals[-1]["mass_fell"], "correct": evals[-1]["eval_correct"]}
 
 
+@pytest.mark.slow
 def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatch):
     out = tmp_path / "sweep"
     argv = ["--grid", "n_rollouts=4,8", "prompts_per_step=4,2", "--seeds", "0", "1", "--jobs", "2",
@@ -226,6 +229,7 @@ def test_paired_needs_the_same_problems_for_the_per_problem_test():
     assert pr["per_problem"] is None and pr["per_seed"]["n"] == 2
 
 
+@pytest.mark.slow
 def test_a_crashed_run_is_reported_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "sweep"
     result = ablate.main(["--grid", f"model={ablate.HERE}/assets/tiny-arith,{tmp_path}/no-model", "--out", str(out),
@@ -247,7 +251,7 @@ def test_harder_model_loads_and_its_right_answer_is_rarer_than_the_hard_ones():
     assert report["config"]["p_correct"] == brorl.data.VARIANTS["harder"]["p_correct"]
     assert report["heldout"]["temp1"]["pass@1"] < min(0.01, hard["heldout"]["temp1"]["pass@1"])
     probs = brorl.data.load_task("arith", "test", n=8, seed=5)
-    ro = brorl.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
+    ro = sampler.generate(model, tok, [p["prompt"] for p in probs], 16, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(0))
     assert sum(not t and re.fullmatch(r"[0-9]+", x) is not None for x, t in zip(ro.texts, ro.truncated.tolist())) >= 0.9 * len(ro.texts)
 
 

@@ -14,6 +14,8 @@ import torch
 
 import brorl
 from lib import allocation, distributed, policy, steplog
+from lib.step import StepStats
+import sampler
 from test_brorl import SMALL
 
 
@@ -159,7 +161,7 @@ def test_pack_groups_of_unequal_n():
     of per-group tensors; groups of one n keep the (G, n) tensor."""
     def rollouts(prompt, mask):  # one group of len(mask) rollouts, 2 tokens each
         n = len(mask)
-        return brorl.Rollouts(prompt_ids=[prompt], tokens=torch.arange(2 * n).view(n, 2),
+        return sampler.Rollouts(prompt_ids=[prompt], tokens=torch.arange(2 * n).view(n, 2),
                               mask=torch.tensor(mask, dtype=torch.bool), logp=-torch.rand(n, 2),
                               entropy=torch.rand(n, 2), truncated=torch.zeros(n, dtype=torch.bool),
                               texts=[""] * n, n=n)
@@ -171,15 +173,17 @@ def test_pack_groups_of_unequal_n():
 
 
 def test_step_metrics_of_unequal_groups_and_of_one_n():
-    """step_metrics: one (G, N) tensor and the same groups as (1, N) rows give the same numbers;
-    unequal groups: rewards over rollouts, pass@N and zero_adv_frac over groups."""
+    """step_metrics: groups of one N by hand (reward over rollouts, pass@N and zero_adv_frac over
+    groups); unequal groups: rewards over rollouts, pass@N and zero_adv_frac over groups."""
     r = torch.tensor([[1.0, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
-    stats = dict(groups_survived=1, groups_generated=3, groups_kept=1, rounds=1, tokens=24)
-    one = steplog.step_metrics({**stats, "rewards": [r]}, 1.0, 1.0, {})
-    rows = steplog.step_metrics({**stats, "rewards": [x[None] for x in r]}, 1.0, 1.0, {})
-    assert one == rows
-    ragged = steplog.step_metrics({**stats, "rewards": [torch.tensor([[1.0, 0]]), torch.zeros(1, 6)]},
-                                1.0, 1.0, {})
+    counts = dict(groups_survived=1, groups_generated=3, groups_kept=1, rounds=1, tokens=24)
+    one = steplog.step_metrics(StepStats(**counts, rewards=list(r)), 1.0, 1.0, {})
+    assert one["samples"] == 12 and one["reward_mean"] == 6 / 12 and one["resp_len"] == 2
+    assert one["pass@N"] == pytest.approx(2 / 3) == one["zero_adv_frac"]  # (float32 means)
+    assert one["keep_rate"] == 1 / 3
+    assert not any(k.startswith(("alloc", "sampled")) for k in one)  # None: not logged
+    ragged = steplog.step_metrics(StepStats(**counts, rewards=[torch.tensor([1.0, 0]),
+                                                                torch.zeros(6)]), 1.0, 1.0, {})
     assert ragged["samples"] == 8 and ragged["reward_mean"] == 1 / 8
     assert ragged["pass@N"] == 0.5 and ragged["zero_adv_frac"] == 0.5
 
@@ -193,6 +197,7 @@ ADAPTIVE = ["--alloc", "adaptive", "--rollout_budget", "33", "--min_rollouts", "
             "--max_rollouts", "24", "--sample_groups", "2"]
 
 
+@pytest.mark.slow
 def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatch):
     """An adaptive run: every step draws exactly R rollouts, in [min, max] per prompt, and trains
     groups of unequal N (the ragged advantages run); 4 steps == 2 steps, then --resume to 4,
@@ -221,6 +226,7 @@ def test_adaptive_run_spends_the_budget_and_resumes_exactly(tmp_path, monkeypatc
     assert any(x["kind"] == "train" for x in records)  # samples.jsonl of unequal groups
 
 
+@pytest.mark.slow
 def test_uniform_rule_never_touches_the_allocation(tmp_path, monkeypatch):
     """--alloc uniform (the default): no estimate is made, sampled with, or saved; no allocation key
     is logged; the step's metrics are step_metrics' of the one-N path."""
@@ -252,6 +258,7 @@ def test_bad_allocation_flags_fail_with_one_line(flags, word, capsys):
     assert word in err
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_under_adaptive(tmp_path):
     """torchrun (gloo, CPU), K = 2 against one process, --alloc adaptive with groups of unequal N
     (R = 26 over B = 4: 7, 7, 6, 6; --train_rollouts 6: min(m, n) of each): the same allocations,
@@ -284,7 +291,6 @@ def test_planner_plans_min_rows_and_keeps_the_cheapest_small_option():
     plan of fewer rows costs MIN_ROWS rows, and fit_rows still offers the largest option below
     MIN_ROWS (N = 12: 12 rows, which decode 16), cheaper than the next one up (24 rows)."""
     import dataclasses
-    import sampler
     from lib import planner
     from transformers import Qwen2Config
     mc = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

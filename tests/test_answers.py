@@ -72,6 +72,7 @@ def test_distribution_equals_brute_force(sets_model, temperature):
     assert (total <= 1 + 1e-6).all() and (total > 0.9).all(), total  # little mass outside the space
 
 
+@pytest.mark.slow
 def test_distribution_matches_the_sampled_rates(sets_model):
     """4,096 rollouts of 4 prompts at T = 1: the share of right answers drawn is Q, and the share
     of each prompt's most likely answer its probability, within 4.5 binomial standard errors.
@@ -158,6 +159,7 @@ def test_theorem_terms_against_a_gradient_step_on_free_logits():
         assert abs(du - t["pred_du_pos"]) < 1e-3 * max(abs(du), 1e-3), (trial, du, t)
 
 
+@pytest.mark.slow
 def test_a_sets_run_logs_the_answer_distribution_and_the_mass_balance(tmp_path):
     """--preset sets --mass_balance 1: every eval logs Figure 3's measures over 4 prompts and saves
     their distribution; every step with an update logs each trained group's four parts and the
@@ -222,9 +224,9 @@ def test_eval_only_measures_a_testbed_s_answer_distribution(tmp_path, capsys):
     """--eval_only --answer_prompts: the warm start's answer distribution measured before any run,
     printed and written to eval.json."""
     out = tmp_path / "eval"
-    report = brorl.evalonly.eval_only(brorl.parse_config(
+    report = brorl.eval_only(brorl.parse_config(
         ["--preset", "sets", "--eval_only", "1", "--eval_prompts", "8", "--eval_samples", "2",
-         "--answer_prompts", "3", "--probe_prompts", "2", "--out", str(out)]), brorl.evaluate)
+         "--answer_prompts", "3", "--probe_prompts", "2", "--out", str(out)]))
     assert "every answer of 3 prompts" in capsys.readouterr().out
     m = json.loads((out / "eval.json").read_text())
     answers_m = m["benchmarks"]["sets"]["answers"]

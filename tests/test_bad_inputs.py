@@ -102,6 +102,8 @@ NEW_RUN = [
     (["--clip_low", "1"], "--clip_low 1.0: need 0 <= eps_low < 1"),
     (["--clip_low", "-0.1"], "--clip_low -0.1"),
     (["--clip_high", "-0.1"], "--clip_high -0.1: need >= 0"),
+    (["--loss", "sapo2"], "--loss 'sapo2': choose ppo, gspo, cispo or sapo"),
+    (["--loss", "sapo", "--sapo_tau_neg", "0"], "--sapo_tau_pos 1.0, --sapo_tau_neg 0.0: need both > 0"),
     (["--probe_prompts", "0"], "--probe_prompts 0: need >= 1"),
     (["--probe_prompts", "-1"], "--probe_prompts -1: need >= 1"),
     (["--temperature", "inf"], "must be finite numbers: --temperature inf"),
@@ -200,6 +202,7 @@ def test_a_bad_resume_is_one_line_and_leaves_the_run_as_it_was(run, capsys, brea
     assert snapshot(run) == before and not Path(f"{run}-branch").exists()
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_finished_run_changes_no_byte(run):
     """The command line itself (a real process): one line, exit 2, the finished run byte-identical."""
     before = snapshot(run)
@@ -208,6 +211,7 @@ def test_a_second_run_on_a_finished_run_changes_no_byte(run):
     assert "holds a run" in one_line(p.returncode, p.stderr) and snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_one_process_holds_a_run_directory_and_a_stale_lock_is_reclaimed(tmp_path, capsys):
     """Another process holding --out's lock (as a run in progress does): this run is refused before it
     writes anything. Once that process is killed its lock is stale: the next run reclaims it, with a line."""
@@ -234,6 +238,7 @@ class Crash(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_crash_between_the_checkpoints_two_renames_then_resume_is_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
     """Killed after ckpt -> ckpt.old and before ckpt.tmp -> ckpt (the save's swap): no ckpt/, both others
     whole. --resume takes ckpt.tmp, says so, and ends where the uninterrupted run ends, to the bit."""
@@ -258,6 +263,7 @@ def test_a_crash_between_the_checkpoints_two_renames_then_resume_is_the_uninterr
     assert sorted(p.name for p in b.iterdir()) == ["ckpt", "config.json", "metrics.jsonl", "metrics.png", "samples.jsonl"]
 
 
+@pytest.mark.slow
 def test_resume_after_a_cut_short_metrics_line_is_the_uninterrupted_run(run, tmp_path, capsys):
     """A last line of metrics.jsonl cut short (the disk filled as it was written) is dropped with a line,
     and the run continues exactly as if it had never been cut."""
@@ -287,6 +293,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
     assert snapshot(run / "ckpt") == before and not (run / "ckpt.tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_first_checkpoint_says_the_run_starts_over(tmp_path, capsys,
                                                                       monkeypatch):
     """ENOSPC as the first checkpoint is written: the line says there is no earlier one and that
@@ -310,6 +317,7 @@ def test_a_full_disk_at_the_first_checkpoint_says_the_run_starts_over(tmp_path, 
     assert same_weights(a, b)
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
     """Ctrl-C in the middle of step 2: exit status 130 and one line saying what is kept; the step-1
     checkpoint is whole and --resume continues from it."""
@@ -483,6 +491,7 @@ def test_a_training_set_smaller_than_b_is_one_line(tmp_path, capsys, separate_ev
 
 @pytest.mark.parametrize("rows, separate_eval", [(7, False), (7, True), (2, True)],
                          ids=["7 rows", "7 rows, --eval_task", "B rows, --eval_task"])
+@pytest.mark.slow
 def test_a_small_training_set_trains_and_resumes_exactly(tmp_path, rows, separate_eval):
     """A round asks for up to 4B prompts (8 here): it draws at most the whole set, and the run, cut
     after its step-2 checkpoint, resumes to the uninterrupted run's rows and weights."""
@@ -510,6 +519,7 @@ def wide_model(tmp: Path) -> Path:
     return tmp / "wide"
 
 
+@pytest.mark.slow
 def test_a_prompt_past_the_context_is_one_line_or_dropped_with_a_count(tmp_path, capsys):
     task = gsm8k_set(tmp_path / "long.jsonl", 7, 4, long=1)
     flags = ["--task", task, "--model", str(wide_model(tmp_path)), *TINY, "--steps", "1"]
@@ -566,6 +576,7 @@ def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     assert "prompts up to 300 tokens" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_plan_measures_the_held_out_prompts_as_the_run_does(tmp_path, capsys):
     """--plan plans for the longest prompt of the training and the held-out sets, as the run
     does: a long held-out row counts."""
@@ -603,6 +614,7 @@ ON_A_RUN += [
 ]
 
 
+@pytest.mark.slow
 def test_a_field_older_runs_lack_is_said_and_recorded(run, capsys):
     """A config.json without --tis_cap (a run older than TIS): resumed with the value that
     reproduces the code before it, said in the first lines, recorded in config_history.jsonl."""
@@ -617,6 +629,7 @@ def test_a_field_older_runs_lack_is_said_and_recorded(run, capsys):
     assert json.loads((run / "config.json").read_text())["tis_cap"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_flag_that_changes_a_resumed_run_is_said_and_kept(run, capsys):
     brorl.train(brorl.parse_config(["--resume", str(run), "--steps", "3", "--n_rollouts", "8"]))
     said = capsys.readouterr().out.splitlines()
@@ -686,6 +699,7 @@ def test_a_run_directory_with_no_checkpoint_as_model_is_one_line(run, tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path, capsys,
                                                                        monkeypatch):
     """--steps 0, and a run that crashed at step 2 before its first checkpoint (step 3): no
@@ -714,6 +728,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_0(tmp_path,
         assert len((run / "samples.jsonl").read_text()) == len((a / "samples.jsonl").read_text())
 
 
+@pytest.mark.slow
 def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(tmp_path):
     """SIGKILL the moment metrics.jsonl shows step 1 evaluated (a real kill, in another process):
     the row lands after its checkpoint, so --resume continues from step 1 and ends where the
@@ -721,7 +736,10 @@ def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(t
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["--steps", "3", "--eval_every", "1", *TINY]
     rows_a = brorl.train(brorl.parse_config([*common, "--out", str(a)]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # The other process at this one's thread count: the two runs must round alike (at 1 thread
+    # against 2 they part at the 7th digit on some CPUs).
+    threads = str(torch.get_num_threads())
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}
     p = subprocess.Popen([sys.executable, str(HERE / "brorl.py"), *common, "--out", str(b)],
                          cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -742,6 +760,7 @@ def test_a_kill_as_the_first_eval_row_appears_resumes_to_the_uninterrupted_run(t
     assert (b / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_kill_between_a_checkpoint_and_its_row_takes_the_row_from_the_checkpoint(tmp_path,
                                                                                    monkeypatch):
     """Stopped right after the step-2 checkpoint was saved, before its row was written: --resume
@@ -847,6 +866,7 @@ def test_a_file_named_as_the_answers_folder_is_one_line_before_any_write(tmp_pat
     assert sorted(p.name for p in out.iterdir()) == [".lock", "answers"]  # (the lock: till exit)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_answers_is_one_line_and_leaves_no_temp(sets_run, tmp_path,
                                                                           capsys, monkeypatch):
     """The disk fills while answers/step-000002.pt is written (torch's zip writer): one line naming
@@ -873,6 +893,7 @@ def test_a_full_disk_while_writing_answers_is_one_line_and_leaves_no_temp(sets_r
     assert (run / "samples.jsonl").read_bytes() == (a / "samples.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_appending_samples_is_one_line_and_resumes_exactly(tmp_path, capsys,
                                                                             monkeypatch):
     """The disk fills as step 2's samples are appended (before its checkpoint): one line naming
@@ -919,6 +940,7 @@ def test_a_full_disk_while_writing_the_plot_keeps_the_row(run, capsys, monkeypat
     assert (run / "metrics.png").read_bytes() == before and not list(run.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config([*TINY, "--probe_prompts", "16", "--eval_prompts", "1",
@@ -928,6 +950,7 @@ def test_the_probe_is_said_and_recorded_as_used(tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["probe_prompts"] == 1
 
 
+@pytest.mark.slow
 def test_the_answer_prompts_are_said_and_recorded_as_used(tmp_path, capsys):
     """--answer_prompts past the eval set measures the eval set: said, and config.json records the
     number measured, as each row holds."""
@@ -1007,8 +1030,234 @@ def test_math_verify_parses_each_gold_once_bounds_a_decided_call_and_never_print
 
 
 def test_the_fields_resume_knows_are_configs():
-    """A field renamed or removed from Config leaves none of config.py's lists naming it."""
-    from lib import config
+    """A field renamed or removed from Config leaves none of the resume policy's lists naming it."""
+    from lib import rundir
     fields = {f.name for f in dataclasses.fields(brorl.Config)}
-    assert set(config.FIELDS_SINCE_RESUME) | set(config.ADDED_FIELDS) <= fields
-    assert set(config.FIXED_ON_RESUME) <= fields
+    assert set(rundir.FIELDS_SINCE_RESUME) | set(rundir.ADDED_FIELDS) <= fields
+    assert set(rundir.FIXED_ON_RESUME) <= fields
+
+
+# ----------------------------------------------------------------------------
+# A resumed run's config.json typed as the command line types it; --train_prompts; --eval_only's
+# idle flags; a model directory that is neither a model's nor a run's; a write the file system
+# refuses (chattr +i)
+
+
+def wrong_kinds(kind) -> list:
+    """Values of another kind than a field's (JSON's true is an int to Python: "lr": true would
+    train at lr 1.0)."""
+    return {float: [True, "0.1", None, [1]], int: [True, "3", 2.5, None], bool: [1, "true", None],
+            str: [5, True, None, 1.5]}[kind]
+
+
+def test_every_field_of_config_json_of_another_kind_is_one_line(run, capsys):
+    """Every field of a run's config.json, given a value of each other kind: --resume refuses it in
+    one line naming the field, before any write; an integer where a float belongs is that float."""
+    text = (run / "config.json").read_text()
+    config_json, before, tried = json.loads(text), snapshot(run), 0
+    for f in dataclasses.fields(brorl.Config):
+        for value in wrong_kinds(f.type):
+            (run / "config.json").write_text(json.dumps({**config_json, f.name: value}))
+            with pytest.raises(SystemExit) as exit_info:
+                brorl.parse_config(["--resume", str(run), "--steps", "3"])
+            line = one_line(exit_info.value.code, capsys.readouterr().err)
+            assert line.startswith(f"error: --resume {run}: its config.json holds "
+                                   f"{f.name} = {value!r}, not "), line
+            tried += 1
+    fields = dataclasses.fields(brorl.Config)
+    assert {f.type for f in fields} == {bool, int, float, str}  # every kind tried
+    assert tried == sum(len(wrong_kinds(f.type)) for f in fields) > 250
+    (run / "config.json").write_text(json.dumps({**config_json, "lr": 1, "steps": 3}))
+    cfg = brorl.parse_config(["--resume", str(run)])
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.steps == 3
+    (run / "config.json").write_text(text)
+    assert snapshot(run) == before
+
+
+# (a field of config.json out of its range, what the one line says): each kind's
+OUT_OF_RANGE = [
+    ("lr", -1.0, "--lr -1.0: need lr > 0"),
+    ("temperature", 0.0, "--temperature 0.0: need > 0"),
+    ("focal_gamma", -2, "--focal_gamma -2.0: need a finite gamma >= 0"),
+    ("n_rollouts", 1, "--n_rollouts 1: need N >= 2"),
+    ("eval_every", 0, "--eval_every >= 1"),
+    ("alloc", "greedy", "--alloc 'greedy': choose uniform or adaptive"),
+    ("loss", "", "--loss '': choose ppo, gspo or cispo"),
+    ("dtype", "float16", "--dtype 'float16': choose auto, float32 or bfloat16"),
+]
+
+
+@pytest.mark.parametrize("name, value, needle", OUT_OF_RANGE, ids=[x[0] for x in OUT_OF_RANGE])
+def test_a_field_of_config_json_out_of_range_is_one_line(run, capsys, name, value, needle):
+    config_json = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config_json, name: value}))
+    before = snapshot(run)
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "3"))
+    assert needle in line and line.endswith(f"comes from the run's config.json)"), line
+    assert snapshot(run) == before
+
+
+TRAIN_PROMPTS = ["--answer_prompts", "0", "--n_rollouts", "8", "--prompts_per_step", "2",
+                 "--eval_prompts", "8", "--eval_samples", "2", "--probe_prompts", "2",
+                 "--probe_samples", "8"]
+
+
+def trained(argv: list) -> tuple:
+    """(the training set, the exact-Q prompts) a run of argv would use."""
+    cfg = brorl.parse_config(argv)
+    cfg, _, train_set, eval_set, *_ = setup.setup(cfg, cfg.model, "--model")
+    from lib import mass
+    return train_set, mass.prompt_set(cfg, eval_set, train_set)
+
+
+def test_train_prompts_are_the_training_tasks_with_or_without_eval_task():
+    """--train_prompts n: the training task's n prompts, with --eval_task another task's (keys) as
+    without it (there the eval set's first n); --mass_prompts under it follows trained prompts."""
+    alone, _ = trained(["--preset", "sets", *TRAIN_PROMPTS, "--train_prompts", "2"])
+    beside, _ = trained(["--preset", "sets", *TRAIN_PROMPTS, "--train_prompts", "2",
+                         "--eval_task", "keys"])
+    sets = {x["prompt"] for x in data.load_task("sets", "train")}
+    assert len(alone) == len(beside) == 2 and {x["prompt"] for x in alone + beside} <= sets
+    train_set, exact = trained(["--preset", "keys", *TRAIN_PROMPTS, "--train_prompts", "4",
+                                "--mass_prompts", "3"])
+    assert [x["prompt"] for x in exact] == [x["prompt"] for x in train_set[:3]]
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--preset", "keys", "--train_prompts", "600", "--eval_prompts", "600"],
+     "--train_prompts 600: --task keys's eval set holds 512 prompts"),
+    (["--preset", "sets", "--train_prompts", "300", "--eval_task", "keys"],
+     "--train_prompts 300: --task sets's training set holds 256 prompts"),
+    (["--preset", "keys", "--train_prompts", "4", "--mass_prompts", "8"],
+     "--mass_prompts 8: under --train_prompts the trained prompts' first n, so at most "
+     "--train_prompts 4"),
+], ids=["past the eval set", "past the training set", "mass prompts not trained"])
+def test_train_prompts_past_the_set_is_one_line(tmp_path, capsys, flags, needle):
+    out = tmp_path / "run"
+    line = one_line(*run_in_process(capsys, *TRAIN_PROMPTS, *flags, "--steps", "1", "--out",
+                                    str(out)))
+    assert line == f"error: {needle}", line
+    assert not out.exists()
+
+
+def test_resuming_an_adaptive_run_on_another_training_set_is_one_line(tmp_path, capsys):
+    """--alloc adaptive keeps its estimate by position in the training set: --train_prompts changed
+    on resume is one line before any write, not a traceback after the run directory is written."""
+    run = tmp_path / "run"
+    brorl.train(brorl.parse_config(["--preset", "sets", *TRAIN_PROMPTS, "--alloc", "adaptive",
+                                    "--train_prompts", "2", "--steps", "1", "--out", str(run)]))
+    before, _ = snapshot(run), capsys.readouterr()
+    line = one_line(*run_in_process(capsys, "--resume", str(run), "--train_prompts", "4",
+                                    "--steps", "2"))
+    assert line == (f"error: --resume {run}: its checkpoint's --alloc adaptive estimate covers 2 "
+                    "training prompts, this run's training set holds 4 (--train_prompts 4): "
+                    "resume with the run's own training set, or start a new run from it with "
+                    "--init_from"), line
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("flags", [["--train_prompts", "2"], ["--alloc", "adaptive"],
+                                   ["--time_budget", "9.5"], ["--mass_balance", "2"]],
+                         ids=lambda x: x[0])
+def test_a_training_flag_under_eval_only_is_one_line(tmp_path, capsys, flags):
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as exit_info:
+        brorl.parse_config(["--eval_only", "--preset", "sets", *flags, "--out", str(out)])
+    line = one_line(exit_info.value.code, capsys.readouterr().err)
+    assert line == (f"error: {flags[0]} {flags[1]}: counts only in training, and --eval_only "
+                    "trains nothing; drop it"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("eval_only", [False, True], ids=["train", "--eval_only"])
+def test_a_model_dir_neither_a_models_nor_a_runs_is_one_line(finished, tmp_path, capsys,
+                                                             eval_only):
+    """A directory holding a run's config.json less a field (not a whole run's, not a model's) as
+    --model: one line naming what it lacks, not transformers' reading of "dtype": "auto"."""
+    model, out = tmp_path / "model", tmp_path / "new"
+    model.mkdir()
+    config_json = json.loads((finished / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config_json.items()
+                                                   if k != "n_rollouts"}))
+    line = one_line(*run_in_process(capsys, "--model", str(model), *["--eval_only"] * eval_only,
+                                    "--out", str(out), *TINY))
+    assert line == (f"error: --model {model}: its config.json is neither a model's (it lacks "
+                    "model_type) nor a whole run's (it lacks n_rollouts)"), line
+    assert not out.exists()
+
+
+def can_chattr(tmp: Path) -> bool:
+    """Whether `chattr +i` makes a folder immutable here (root on a file system that has it)."""
+    probe = tmp / "chattr-probe"
+    probe.mkdir()
+    try:
+        made = subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+    subprocess.run(["chattr", "-i", str(probe)], capture_output=True)
+    probe.rmdir()
+    return made
+
+
+# (the folder made immutable after step 1's row, what step 2's one line says after "cannot write
+# in <run> (")
+IMMUTABLE = [
+    ("answers", "Operation not permitted): answers/step-000002.pt and step 2's row were not "
+                "written; --resume {run} continues from its last checkpoint, or from step 0 "
+                "if none"),
+    ("ckpt", None),  # os.replace of ckpt/: "cannot swap the new checkpoint in"
+    (".", "Operation not permitted: {run}/ckpt.tmp): the checkpoint of step 2 was not written; "
+          "ckpt/ keeps the last one (--resume continues from it)"),
+]
+
+
+@pytest.mark.parametrize("folder, needle", IMMUTABLE, ids=["answers", "ckpt", "run"])
+def test_an_immutable_folder_mid_run_is_one_line(tmp_path, capsys, monkeypatch, folder, needle):
+    """Each folder a sets run writes made immutable (chattr +i) after step 1: step 2's write there
+    (torch.save raises a RuntimeError for the open it is denied, os.replace and mkdir an OSError)
+    ends the run in one line naming what was not written."""
+    if not can_chattr(tmp_path):
+        pytest.skip("chattr +i needs root on a file system that has it "
+                    "(test_a_denied_open_in_torch_save_is_one_line covers the message)")
+    run = tmp_path / "run"
+    log = harness.Run.log
+
+    def log_then_freeze(self, m, *args, **kwargs):
+        log(self, m, *args, **kwargs)
+        if m["step"] == 1:
+            subprocess.run(["chattr", "+i", str(run / folder)], check=True)
+    monkeypatch.setattr(harness.Run, "log", log_then_freeze)
+    try:
+        code, err = run_in_process(capsys, *SETS, "--steps", "3", "--out", str(run))
+    finally:
+        subprocess.run(["chattr", "-i", str(run / folder)], check=True)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    line = last_line(err)
+    assert line.startswith("error: "), line
+    if needle:
+        assert line == f"error: cannot write in {run} ({needle.format(run=run)}", line
+    else:
+        assert line.startswith("error: cannot swap the new checkpoint in (Operation not permitted")
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+
+
+def test_a_denied_open_in_torch_save_is_one_line(sets_run, tmp_path, capsys, monkeypatch):
+    """torch.save's zip writer raises a RuntimeError, not an OSError, for an open the file system
+    denies (an immutable answers/): one line naming what was not written, no temp file left."""
+    run = tmp_path / "run"
+    shutil.copytree(sets_run, run)
+    save = torch.save
+
+    def denied(obj, path, *args, **kwargs):
+        if str(path).endswith("step-000002.pt.tmp"):
+            raise RuntimeError("[enforce fail at inline_container.cc:747] . open file failed "
+                               "with strerror: Operation not permitted")
+        return save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", denied)
+    code, err = run_in_process(capsys, "--resume", str(run), "--steps", "2")
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert last_line(err) == (f"error: cannot write in {run} (Operation not permitted): "
+                              "answers/step-000002.pt and step 2's row were not written; "
+                              f"--resume {run} continues from its last checkpoint, or from step "
+                              "0 if none")
+    assert not list(run.rglob("*.tmp"))

@@ -1,5 +1,6 @@
-"""bench.py runs: every part (the sampler against generate, varied lengths, a full rl_step in its own
-process, and the GPU part's driver with its breadth sweep) at toy sizes, on whatever device is here."""
+"""bench.py runs: every part (the sampler against generate, varied lengths, a full rl_step in its
+own process, and the GPU part's driver with its breadth sweep) at toy sizes, on whatever device is
+here."""
 
 import contextlib
 import io
@@ -23,15 +24,18 @@ def tiny_output():
     return out.getvalue()
 
 
+@pytest.mark.slow
 def test_every_bench_part_runs_at_a_tiny_size(tiny_output):
     out = tiny_output
     for header in ("== sampler:", "== varied lengths:", "== step:", "== breadth:"):
         assert header in out, out[-2000:]
     step_row = next(ln for ln in out.splitlines() if ln.startswith("brorl     4 |"))
     completions_s, step_s = (float(x) for x in step_row.split("|")[1].split()[:2])
-    assert step_s > 0 and completions_s >= 0  # a step ran (completions/s is printed rounded: 0 on a slow CPU)
+    # A step ran (completions/s is printed rounded: 0 on a slow CPU).
+    assert step_s > 0 and completions_s >= 0
 
 
+@pytest.mark.slow
 def test_every_speed_is_shown_against_the_matmul_floor_of_the_same_run(tiny_output):
     lines = tiny_output.splitlines()
     floor = next(ln for ln in lines if ln.startswith("matmul floor:"))

@@ -55,6 +55,7 @@ def test_zones_hold_their_bounds():
     assert census.interval_zone(*census.clopper_pearson(300, 512)) == "high"
 
 
+@pytest.mark.slow
 def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
     whole, part = tmp_path / "whole", tmp_path / "part"
     run(whole)
@@ -71,6 +72,7 @@ def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
     assert census.prompt_seed(0, 1) != census.prompt_seed(0, 2) != census.prompt_seed(1, 1)
 
 
+@pytest.mark.slow
 def test_another_census_or_a_torn_record_is_one_line(tmp_path):
     out = tmp_path / "c"
     run(out)

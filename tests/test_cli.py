@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import brorl
-from lib import config, setup
+from lib import config, errors, setup
 import data
 from test_brorl import SMALL, run_in_process
 
 
+@pytest.mark.slow
 def test_a_run_started_with_init_from_resumes_exactly(tmp_path):
     """A branch (--init_from, config.json keeps it) resumed from its own checkpoint equals the branch
     run in one go: --resume takes the branch's weights and AdamW state, not the run it began from."""
@@ -30,6 +31,7 @@ def test_a_run_started_with_init_from_resumes_exactly(tmp_path):
     assert [strip(r) for r in resumed] == [strip(r) for r in rows] and resumed[-1]["step"] == 2
 
 
+@pytest.mark.slow
 def test_resume_continues_the_run_exactly(tmp_path):
     """4 steps in one go == 2 steps, then --resume to 4 (weights, AdamW, random streams, reference,
     metrics): a crashed or extended run loses nothing. Exact, as the training is bitwise reproducible."""
@@ -49,6 +51,7 @@ def test_resume_continues_the_run_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_resume_takes_a_changed_lr_and_refuses_what_the_checkpoint_fixes(tmp_path, capsys):
     """AdamW's saved param groups would restore the old lr and weight decay over the new flags: the new ones
     take effect. A flag the restored state decides (the random streams of --seed, the held-out problems)
@@ -65,6 +68,7 @@ def test_resume_takes_a_changed_lr_and_refuses_what_the_checkpoint_fixes(tmp_pat
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]  # untouched
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_new_run_on_the_checkpoints_weights(tmp_path):
     """--init_from: the policy of a run's checkpoint, step 0, a new run directory; AdamW fresh, or the
     checkpoint's moments with --init_optimizer (at this run's lr). lr 1e-12 leaves the weights as loaded,
@@ -114,6 +118,16 @@ def test_bad_flags_fail_with_one_clear_line_and_write_nothing(tmp_path, capsys, 
     code, err = run_in_process(capsys, *args, "--out", str(out), "--steps", "1")
     assert code != 0 and needle in err, err[-1500:]
     assert not out.exists()
+
+
+def test_fail_is_one_line_and_exit_status_2(capsys):
+    """lib/errors.fail: "error: <what>" alone on stderr, then a BadInput, which is a SystemExit of
+    status 2 (the interpreter exits with it, no traceback) that a caller can tell from another."""
+    with pytest.raises(errors.BadInput) as stop:
+        errors.fail("--lr -1.0: need lr > 0 (0 trains nothing)")
+    assert isinstance(stop.value, SystemExit) and stop.value.code == 2
+    assert stop.value.line == "--lr -1.0: need lr > 0 (0 trains nothing)"
+    assert capsys.readouterr().err == "error: --lr -1.0: need lr > 0 (0 trains nothing)\n"
 
 
 def test_unwritable_out_fails_cleanly(tmp_path, capsys):

@@ -19,7 +19,7 @@ import sampler
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 
-# Runs brorl.train as `python brorl.py` would, recording per rank: every sample_share call (this rank's
+# Runs brorl.train as `python brorl.py` would, recording per rank: every lib/step.sample_share call (this rank's
 # prompts and texts, and the rewards of all ranks), every clipped mini-batch's gradient norm and this
 # rank's rows of each of its micro-batches (loss_weights' calls; every rank runs as many), the kept groups it
 # trained each step, the micro-batches it ran with no row, and which
@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 RUNNER = textwrap.dedent('''
     import json, os, sys, torch
     import brorl
-    from lib import distributed, policy
+    from lib import diagnostics, distributed, policy, step
     calls, norms, rows, idle, packed, kernel = [], [], [], [0], [], {"linear": 0, "logits": 0}
     weights = brorl.loss_weights
     def recording_weights(mask, *a, **k):
@@ -51,13 +51,14 @@ RUNNER = textwrap.dedent('''
         packed.append(len(kept))
         return pack(kept, *a)
     brorl.pack_groups = counting_pack
-    share = brorl.sample_share
+    share = step.sample_share
     def recording_share(model, tok, examples, n, *a):
         ro, mine, r, *scores = share(model, tok, examples, n, *a)
         calls.append(dict(prompts=[examples[i]["prompt"] for i in mine], texts=ro.texts if ro else [],
                           rewards=r.tolist() if torch.is_tensor(r) else [x.tolist() for x in r]))
         return ro, mine, r, *scores
-    brorl.sample_share = recording_share
+    # every caller's name for it: the rollouts', the evaluation's, the probe's
+    step.sample_share = brorl.sample_share = diagnostics.sample_share = recording_share
     clip = torch.nn.utils.clip_grad_norm_
     def recording_clip(*a, **k):
         norm = clip(*a, **k)
@@ -199,6 +200,7 @@ def test_micro_batches_give_each_rank_its_rows_in_as_many_micro_batches(monkeypa
             assert all(k == size for k in sizes[:-1]) and all(len(mb) == 0 for mb in mbs[len(sizes):])
 
 
+@pytest.mark.slow
 def test_two_processes_sample_the_same_rollouts_each_only_its_share(runs):
     one, two = records(runs["one"], 0)[0], records(runs["two"], 2)
     assert len(one["calls"]) == len(two[0]["calls"]) == len(two[1]["calls"])  # rounds, evals, probes
@@ -216,6 +218,7 @@ def test_two_processes_sample_the_same_rollouts_each_only_its_share(runs):
         assert a + b == g and abs(a - b) <= 1, (a, b, g)
 
 
+@pytest.mark.slow
 def test_two_processes_train_as_one(runs):
     one, two = records(runs["one"], 0)[0], records(runs["two"], 2)
     # every mini-batch of every step: the same gradient norm up to float summation order. Where both
@@ -245,6 +248,7 @@ def test_two_processes_train_as_one(runs):
     assert diff <= max(10 * floor, 1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_two_processes_gather_bf16_weights_and_train_as_one(runs):
     """--dtype bfloat16: FSDP gathers bf16 parameters (the head's weight reaches the log-prob kernel in
     bf16) and reduces in fp32 into fp32 shards; step 1's first gradient is one process's up to the
@@ -257,6 +261,7 @@ def test_bf16_two_processes_gather_bf16_weights_and_train_as_one(runs):
     assert all(torch.isfinite(torch.tensor(rank["norms"])).all() for rank in two)
 
 
+@pytest.mark.slow
 def test_resumed_two_process_run_equals_the_straight_one(runs):
     a, b = weights(runs["two"]), weights(runs["two_resumed"])
     assert rel_diff(a, b) == 0.0, rel_diff(a, b)
@@ -264,6 +269,7 @@ def test_resumed_two_process_run_equals_the_straight_one(runs):
     assert [strip(r) for r in metrics(runs["two_resumed"])] == [strip(r) for r in metrics(runs["two"])]
 
 
+@pytest.mark.slow
 def test_rank_0_writes_every_ranks_samples(runs):
     """samples.jsonl under K = 2 is one process's: rank 0 writes the held-out prompts of rank 1's share too."""
     read = lambda out: [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -271,6 +277,7 @@ def test_rank_0_writes_every_ranks_samples(runs):
     assert step0(runs["two"]) == step0(runs["one"]) and len(step0(runs["one"])) == 3 * 2  # 3 prompts x 2 samples
 
 
+@pytest.mark.slow
 def test_resume_needs_the_same_number_of_processes(runs, tmp_path, capsys):
     import shutil
     run = shutil.copytree(runs["two"], tmp_path / "two")  # a 2-process run, resumed by one process
@@ -279,6 +286,7 @@ def test_resume_needs_the_same_number_of_processes(runs, tmp_path, capsys):
     assert "written by 2 process(es), this run has 1: use the same number" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_crashing_rank_stops_the_job(tmp_path):
     """Rank 1 raises in its second update while rank 0 waits for it in a collective: torchrun
     stops rank 0 and the job exits non-zero with rank 1's error (a hang fails by the timeout)."""

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import brorl
 import data
 import sampler
-from lib import planner, policy
+from lib import planner, policy, step
 from test_brorl import run_in_process
 
 # The families, each a config class and what sets it apart from the common shape. Gemma keeps its
@@ -129,9 +129,9 @@ SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2",
 
 
 def every_other(rollouts, answers, task, verifier="rules", tok=None):
-    """A stand-in for brorl.score: a random model never answers right, so every other rollout is
+    """A stand-in for lib/step.score: a random model never answers right, so every other rollout is
     rewarded, and every group has signal."""
-    r = (torch.arange(len(rollouts.tokens)) % 2).float()  # (B*N,); brorl.score's shapes:
+    r = (torch.arange(len(rollouts.tokens)) % 2).float()  # (B*N,); step.score's shapes:
     return r.view(-1, rollouts.n) if isinstance(rollouts.n, int) else r  # (B, N) for one n
 
 
@@ -139,7 +139,7 @@ def test_two_training_steps(family, tmp_path, monkeypatch):
     """python brorl.py --model DIR --steps 2, in this process, with every other rollout rewarded:
     each step updates the weights through the family's whole forward and backward."""
     name, path, *_ = family
-    monkeypatch.setattr(brorl, "score", every_other)
+    monkeypatch.setattr(step, "score", every_other)
     rows = brorl.train(brorl.parse_config([
         "--model", str(path), "--steps", "2", "--eval_every", "2", "--out", str(tmp_path / "run"),
         *SMALL]))
@@ -157,7 +157,7 @@ def test_a_run_saves_and_resumes_exactly(tmp_path, monkeypatch, name, flags):
     """2 steps in one go == 1 step, saved, then --resume to 2: the checkpoint (a full model, or
     Phi-3's fused projections' LoRA adapter) holds everything the run continues from."""
     path = build(name, tmp_path / "model")
-    monkeypatch.setattr(brorl, "score", every_other)
+    monkeypatch.setattr(step, "score", every_other)
     common = ["--model", str(path), "--eval_every", "1", *SMALL, *flags]
     rows_a = brorl.train(brorl.parse_config(["--steps", "2", "--out", str(tmp_path / "a"),
                                              *common]))

@@ -172,6 +172,7 @@ def test_triton_36_with_numpy_24_says_in_one_line_what_to_install(monkeypatch):
                 assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_interpreter_works_when_triton_was_imported_first():
     # torch._dynamo (torch.compile, checkpoint) imports triton; if that happens before
@@ -191,6 +192,7 @@ def test_interpreter_works_when_triton_was_imported_first():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_without_triton_the_reference_serves_and_a_run_trains(tmp_path):
     """triton ships for Linux only: where it is absent (a Mac) kernels.py still imports, every auto call
     takes the torch reference, backend='triton' says what is missing, and brorl.py trains a step."""

@@ -14,6 +14,7 @@ from tools import bench_kernels
 import brorl
 from lib import policy
 import kernels
+import sampler
 from kernels import linear_logprobs
 from test_brorl import needs_kernel
 
@@ -232,7 +233,7 @@ def test_plain_head_detection():
 
 
 def _batch(model, tok, n=4):
-    ro = brorl.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
+    ro = sampler.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
     return policy.pack_groups([ro.group(g) for g in range(3)])
 
 
@@ -295,6 +296,7 @@ def test_training_with_it_equals_training_on_logits(tied, monkeypatch):
 # Compiled for real GPUs: every @triton.jit kernel, ahead of time, no GPU needed
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm80_and_sm90_without_spills():
     rows = bench_kernels.compile_kernels()
     jitted = set(re.findall(r"@triton\.jit\s+def (\w+)", Path(kernels.__file__).read_text()))

@@ -10,12 +10,13 @@ import torch
 
 import brorl
 import data
-from lib import evalonly, planner, policy, setup
+from lib import planner, policy, setup
 
 SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2", "--eval_samples", "2",
          "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256", "--lora_rank", "4", "--lr", "2e-3"]
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_exactly_and_saves_the_adapter_alone(tmp_path):
     """4 steps in one go == 2 steps, then --resume to 4, with the KL on and its reference reset at step 3
     (the adapter off before, a frozen copy of it after): the adapter, AdamW and the reference continue."""
@@ -68,6 +69,7 @@ def test_lora_reference_is_the_base_then_a_frozen_adapter(tmp_path):
     assert policy.plain_head(model) is not None  # the LM head is not a target: the fused log-prob path stays
 
 
+@pytest.mark.slow
 def test_eval_only_reads_an_adapter_dir(tmp_path):
     out = tmp_path / "run"
     brorl.train(brorl.parse_config(["--steps", "1", "--eval_every", "1", "--out", str(out), *SMALL]))
@@ -77,8 +79,8 @@ def test_eval_only_reads_an_adapter_dir(tmp_path):
     params = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
     assert policy.is_lora(model) and params.keys() == saved.keys()
     assert all(torch.equal(params[k], saved[k]) for k in saved)
-    report = evalonly.eval_only(brorl.parse_config(["--eval_only", "--model", str(out / "ckpt"), "--eval_prompts", "4",
-                                                   "--eval_samples", "4", "--out", str(tmp_path / "eval")]), brorl.evaluate)
+    report = brorl.eval_only(brorl.parse_config(["--eval_only", "--model", str(out / "ckpt"), "--eval_prompts", "4",
+                                                 "--eval_samples", "4", "--out", str(tmp_path / "eval")]))
     assert (tmp_path / "eval" / "eval.json").is_file() and 0 <= report["benchmarks"]["arith"]["pass@k"]["1"] <= 1
 
 

@@ -75,6 +75,7 @@ def test_exact_mass_sums_to_one_over_every_response(temperature):
         assert q.max() > 0.3  # peaked: a uniform model would make the sums hold trivially
 
 
+@pytest.mark.slow
 def test_exact_mass_matches_the_sampled_rate(arith):
     """The sampler's share of rollouts that are exactly the gold answer (then EOS) is Q, within binomial
     error: 4,096 samples a prompt, |rate - Q| < 4.5 standard errors for each of 6 prompts."""
@@ -126,6 +127,7 @@ def test_keys_task():
         assert 2e-4 <= r["p_right"] <= 0.2
 
 
+@pytest.mark.slow
 def test_a_keys_run_logs_every_prompts_exact_mass(tmp_path):
     """--preset keys: the shipped keys model on its own task; at every eval, the exact Q of its eval prompts
     (here 24 of the 512), its zones summing to them, and the train set is the eval set (train = eval)."""

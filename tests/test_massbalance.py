@@ -1,6 +1,6 @@
-"""tools/massbalance.py beyond Theorem 1 and Lemma 2 (in test_brorl.py): the surrogate's gradient and
-AdamW against torch, the small simulation's ordering of Q_pos by N, its command line, bad arguments,
-the expected terms."""
+"""tools/massbalance.py beyond Theorem 1 and Lemma 2 (in test_brorl.py): the surrogate's gradient
+and AdamW against torch, the small simulation's ordering of Q_pos by N, its command line, bad
+arguments, the expected terms."""
 
 import json
 
@@ -60,6 +60,7 @@ def test_small_simulation_orders_q_pos_by_n(one_thread):
     assert res["improved_pct"][-1, 0] < 50.0
 
 
+@pytest.mark.slow
 def test_cli_writes_figures_and_json(tmp_path, capsys, one_thread):
     mb.main(["--vocab", "300", "--n-correct", "30", "--steps", "5", "--ns", "4", "64",
              "--sweep-ns", "4", "16", "--seeds", "2", "--out", str(tmp_path)])

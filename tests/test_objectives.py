@@ -1,4 +1,4 @@
-"""The objectives beside PPO (--loss gspo|cispo, Dr. GRPO's --adv_norm none and --loss_agg constant) and
+"""The objectives beside PPO (--loss gspo|cispo|sapo, Dr. GRPO's --adv_norm none and --loss_agg constant) and
 --train_rollouts' max-variance subset. Each loss is checked, values and gradients, against its paper's
 formula written out independently: per sequence and per token, in plain Python loops over float64."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import brorl
-from lib import objectives, policy
+from lib import objectives, policy, step
 import data
+import sampler
 
 
 def _batch(seed=0, r=5, T=7):
@@ -84,6 +85,66 @@ def test_cispo_matches_the_papers_token_objective():
     assert (g[mask] != 0).all()  # ...and still every valid token has a gradient
 
 
+def sapo_by_hand(ratio: float, adv: float, tau_pos: float, tau_neg: float) -> float:
+    """SAPO's loss of one token (arXiv 2511.20347, eq. of its gate), in plain floats:
+    -sigmoid(tau (r - 1)) * 4 / tau * A, tau = tau_pos where A > 0, else tau_neg."""
+    tau = tau_pos if adv > 0 else tau_neg
+    return -1 / (1 + math.exp(-tau * (ratio - 1))) * 4 / tau * adv
+
+
+def test_sapo_token_loss_by_hand():
+    """Four tokens at the defaults (tau_pos 1.0, tau_neg 1.05), written out: a positive advantage
+    above and below ratio 1, a negative one, A = 0 (which takes tau_neg, as TRL's and verl's
+    A > 0 test does). The numbers are the formula's, computed here in floats."""
+    cfg = brorl.Config(loss="sapo")
+    ratios, advs = [1.5, 0.8, 1.3, 1.2], [2.0, 0.5, -1.0, 0.0]
+    # -sigmoid(0.5) * 4 * 2; -sigmoid(-0.2) * 4 * 0.5; sigmoid(1.05 * 0.3) * 4 / 1.05; 0
+    want = [-4.979675, -0.900332, 2.202306, 0.0]
+    assert [round(sapo_by_hand(r, a, cfg.sapo_tau_pos, cfg.sapo_tau_neg), 6)
+            for r, a in zip(ratios, advs)] == want
+    old = torch.tensor([[-1.0], [-2.0], [-0.5], [-3.0]], dtype=torch.float64)  # (r, 1)
+    logp = old + torch.tensor(ratios, dtype=torch.float64).log()[:, None]  # (r, 1)
+    loss, ratio = objectives.sapo_token_loss(logp, old, torch.tensor(advs, dtype=torch.float64),
+                                             cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    torch.testing.assert_close(ratio[:, 0], torch.tensor(ratios, dtype=torch.float64))
+    assert loss[:, 0].tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_sapo_matches_the_papers_objective_and_is_the_policy_gradient_on_policy():
+    """SAPO's J = mean_i (1 / |y_i|) sum_t f_it(r_it) A_i, f(r) = sigmoid(tau (r - 1)) 4 / tau
+    (tau by A's sign), its loss -J: values and gradients against the formula in a float64 loop,
+    with temperatures far apart so that a swap shows; through brorl.token_loss (what the update
+    computes) --loss sapo's mean is the per-sequence one. At ratio 1 its gradient is the policy
+    gradient's, -mean_i (1 / |y_i|) sum_t A_i d logp_it: the 4 / tau undoes the gate's slope."""
+    logp, old, adv, mask = _batch(3)
+    tau_pos, tau_neg = 0.6, 2.5
+
+    def paper(x, old):
+        total = 0.0
+        for i in range(x.shape[0]):
+            n, tau = int(mask[i].sum()), tau_pos if adv[i] > 0 else tau_neg
+            row = sum(torch.sigmoid(tau * (torch.exp(x[i, t] - old[i, t]) - 1)) * 4 / tau
+                      for t in range(n))
+            total = total + row * adv[i] / n
+        return -total / x.shape[0]
+
+    cfg = brorl.Config(loss="sapo", sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+    w = brorl.loss_weights(mask, objectives.aggregation(cfg.loss, cfg.loss_agg), dtype=torch.float64)
+
+    def ours(x, old):
+        loss, _, clipped, _ = brorl.token_loss(x, old, old, None, adv, mask, w, cfg)
+        assert not clipped.any()  # no clip: the gate fades a gradient, never zeroes it
+        return loss.sum()
+
+    (v_ref, g_ref), (v, g) = (_grad(lambda x: f(x, old), logp) for f in (paper, ours))
+    torch.testing.assert_close(v, v_ref)
+    torch.testing.assert_close(g, g_ref)
+    assert (adv > 0).any() and (adv < 0).any()  # both temperatures were exercised
+    # On policy (ratio 1): the policy gradient's, -A / (|y_i| rows) on each valid token.
+    _, g_on = _grad(lambda x: ours(x, logp), logp)
+    torch.testing.assert_close(g_on, -adv[:, None] * w)
+
+
 def test_dr_grpo_constant_normaliser_and_no_std():
     """Dr. GRPO: advantages r - mean_group(r); the loss summed over tokens and divided by a constant,
     the generation budget times the rows, whatever the responses' lengths."""
@@ -111,7 +172,7 @@ def tiny(tmp_path_factory):
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     Qwen2ForCausalLM(mc).save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").eval()
-    ro = brorl.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
+    ro = sampler.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
     batch = policy.pack_groups([ro.group(g) for g in range(2)])
     adv = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     return path, batch, adv
@@ -134,12 +195,15 @@ def _update(tiny, micro_batch, batch=None, **flags):
     return [b - p.detach() for b, p in zip(before, m.parameters())], info
 
 
-@pytest.mark.parametrize("loss,agg", [("gspo", "sequence"), ("cispo", "token"), ("ppo", "constant")])
+@pytest.mark.parametrize("loss,agg", [("gspo", "sequence"), ("cispo", "token"), ("ppo", "constant"),
+                                      ("sapo", "sequence")])
 def test_micro_batching_changes_memory_not_the_gradient(tiny, loss, agg):
     """As PPO's test in tests/test_update.py: any micro-batch size gives the one-shot update, for every objective."""
     flags = dict(loss=loss, loss_agg=agg, gspo_clip_low=0.05, gspo_clip_high=0.05)
     full, info = _update(tiny, 12, **flags)
-    assert 0 < info["clip_frac"] < 1 and math.isfinite(info["grad_norm"]) and info["grad_norm"] > 0
+    # (SAPO has no clip to bind: its share is 0)
+    assert (0 < info["clip_frac"] < 1) != (loss == "sapo") and info["clip_frac"] < 1
+    assert math.isfinite(info["grad_norm"]) and info["grad_norm"] > 0
     for mb in (1, 5):
         part, _ = _update(tiny, mb, **flags)
         for a, b in zip(full, part):
@@ -152,6 +216,7 @@ def test_gspo_runs_its_papers_sequence_mean_unless_told_otherwise(tiny):
     assert brorl.parse_config(["--loss", "gspo"]).loss_agg == "sequence"
     assert brorl.parse_config(["--loss", "gspo", "--loss_agg", "token"]).loss_agg == "token"
     assert brorl.parse_config([]).loss_agg == brorl.parse_config(["--loss", "cispo"]).loss_agg == "token"
+    assert brorl.parse_config(["--loss", "sapo"]).loss_agg == "sequence"  # TRL's and verl's mean
     _, batch, _ = tiny
     lengths = torch.arange(12) % 6 + 1  # (R,) ragged responses: 1 to 6 tokens
     mask = batch["resp_mask"] & (torch.arange(batch["resp_mask"].shape[1])[None, :] < lengths[:, None])  # (R, T)
@@ -171,6 +236,9 @@ def test_gspo_with_another_mean_is_said_in_the_runs_first_line(tmp_path, capsys,
     first = capsys.readouterr().out.splitlines()[0]
     note = "note: --loss gspo with --loss_agg token: not GSPO's per-sequence mean (--loss_agg sequence, gspo's default)"
     assert (first == note) == said
+    harness.start(brorl.parse_config(["--loss", "sapo", "--loss_agg", agg, "--out", str(tmp_path / "sapo")]))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (first == note.replace("gspo", "sapo").replace("GSPO", "SAPO")) == said
 
 
 def test_gspo_default_bounds_are_the_papers():
@@ -203,7 +271,7 @@ def test_train_rollouts_advantages_are_over_the_trained_rows(monkeypatch):
     tok = data.build_tokenizer()
     N, m = 8, 4
     pattern = torch.tensor([[1.0, 0, 0, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 1, 1, 1]])  # 2 and 6 right of 8
-    monkeypatch.setattr(brorl, "score", lambda ro, *a: pattern[: len(ro.prompt_ids)])
+    monkeypatch.setattr(step, "score", lambda ro, *a: pattern[: len(ro.prompt_ids)])
     seen = {}
     monkeypatch.setattr(brorl, "update_policy", lambda model, ref, opt, batch, adv, *a: seen.update(batch=batch, adv=adv) or {})
     cfg = brorl.Config(n_rollouts=N, train_rollouts=m, prompts_per_step=2, max_new_tokens=6)
@@ -240,7 +308,7 @@ def test_max_variance_subset_is_the_max_over_all_subsets(binary):
 def test_pack_groups_keeps_the_chosen_rows(tmp_path):
     """--train_rollouts: the batch holds exactly the chosen rollouts of each group, in order; keep = all
     rollouts gives the batch of a run without it."""
-    ro = brorl.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
+    ro = sampler.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
                         logp=-torch.rand(6, 2), entropy=torch.rand(6, 2), truncated=torch.zeros(6, dtype=torch.bool),
                         texts=[""] * 6, n=3)
     full = policy.pack_groups([ro.group(0), ro.group(1)])
@@ -309,6 +377,7 @@ def test_focal_weight_off_is_todays_advantages_to_the_bit():
                                                  _advantages(groups, lens, "batch")))
 
 
+@pytest.mark.slow
 def test_focal_gamma_reaches_the_update_and_is_checked(tmp_path):
     """--focal_gamma changes a run's update (the flag is wired to the advantages); off, the run is
     the run without it; a negative or non-finite gamma is refused in one line."""

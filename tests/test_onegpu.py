@@ -1,6 +1,7 @@
 """One GPU for real, rehearsed on a CPU: bf16 autocast that never sees stale weights, the memory
 changes of the sampler and the update, the memory planner, and the real job's shapes."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +17,7 @@ def _tiny_run_cfg(tmp_path, **kw):
     return brorl.Config(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_bf16_forwards_never_see_weights_older_than_the_last_step(tmp_path, monkeypatch):
     """Under bf16 autocast every Linear of every update forward must use the CURRENT weights. An
     autocast region caches each weight's bf16 copy for its life and misses in-place updates: a
@@ -49,8 +51,8 @@ def _embedded_batch(n=16, prompts=3, seed=0):
     """Rollouts of the embedded model packed as a training batch, and the model (train mode)."""
     model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     examples = data.load_task("arith", "train", n=prompts, seed=seed)
-    ro = brorl.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
-                        torch.Generator().manual_seed(seed))
+    ro = sampler.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
+                          torch.Generator().manual_seed(seed))
     return model.train(), policy.pack_groups([ro.group(g) for g in range(prompts)])
 
 
@@ -81,7 +83,6 @@ def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
 # ----------------------------------------------------------------------------
 # sampler.py memory: the KV cache in the compute dtype, drops without a second copy, one sync a token
 
-import pytest  # noqa: E402
 
 from lib import planner  # noqa: E402
 import sampler  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import brorl
-from lib import evalonly, setup
+from lib import setup
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/running.md")
@@ -76,7 +76,7 @@ def dry_brorl(args: list, tmp_path: Path):
     if Path(cfg.model).is_dir():  # a shipped model: run it, tiny
         tiny = ["--eval_prompts", "2", "--eval_samples", "2", "--out", str(tmp_path / "eval")]
         tiny += ["--mass_prompts", "4"] if cfg.mass_prompts else []
-        evalonly.eval_only(brorl.parse_config(args + tiny), brorl.evaluate)
+        brorl.eval_only(brorl.parse_config(args + tiny))
         assert (tmp_path / "eval" / "eval.json").is_file()
 
 

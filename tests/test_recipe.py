@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import config, policy, setup
+from lib import checks, policy, setup, step
 import data
 import sampler
 import verify
@@ -26,7 +26,7 @@ from test_brorl import PROMPTS, random_lm, run_in_process  # noqa: F401  (random
 
 
 def _batch(model, tok, n=6, seed=5):
-    ro = brorl.generate(model, tok, PROMPTS[:3], n, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(seed))
+    ro = sampler.generate(model, tok, PROMPTS[:3], n, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(seed))
     return policy.pack_groups([ro.group(g) for g in range(3)])
 
 
@@ -173,10 +173,10 @@ def test_completion_is_scored_with_the_think_its_prompt_opened():
         zeros = torch.zeros(R, 2)
         return sampler.Rollouts([ids], zeros.long(), zeros.bool(), zeros, zeros, torch.zeros(R, dtype=torch.bool), texts, R)
 
-    assert brorl.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[1.0, 1.0, 0.0]]  # no think opened
+    assert step.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[1.0, 1.0, 0.0]]  # no think opened
     tok.chat_template = R1_TEMPLATE  # the prompt ends inside "<think>\n"
     assert tok.decode(sampler.encode_prompt(tok, "x")).endswith("<think>\n")
-    assert brorl.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[0.0, 1.0, 0.0]]
+    assert step.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[0.0, 1.0, 0.0]]
 
 
 # ----------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_completion_is_scored_with_the_think_its_prompt_opened():
 @pytest.mark.parametrize("n_minibatches, sizes", [(4, [3, 3, 2, 2]), (3, [4, 3, 3]), (12, [1] * 10)])
 def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
     model, tok = random_lm
-    ro = brorl.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
+    ro = sampler.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
     batch = policy.pack_groups([ro.group(g) for g in range(2)])  # R = 10 rows
     seen, weights = [], brorl.loss_weights
     monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg, *a: (seen.append(len(mask)), weights(mask, agg, *a))[1])
@@ -195,8 +195,8 @@ def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
 
 
 def test_training_refuses_top_p_below_one():
-    assert config.check_config(brorl.Config()) == ""
-    assert config.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
+    assert checks.check_config(brorl.Config()) == ""
+    assert checks.check_config(brorl.Config(top_p=0.95)).startswith("--top_p 0.95: training needs top_p = 1")
 
 
 # ----------------------------------------------------------------------------

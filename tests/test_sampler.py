@@ -1,4 +1,4 @@
-"""The sampler (sampler.py through brorl.generate): shared-prefix decoding equals a recompute without
+"""The sampler (sampler.py: sampler.generate): shared-prefix decoding equals a recompute without
 cache, chunking changes nothing, its log-probs and entropies are the training forward's, no attention row
 is left without a key, top_p keeps the nucleus only."""
 
@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import brorl
 from lib import policy
 import sampler
 from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
@@ -30,7 +29,7 @@ def test_shared_prefix_greedy_equals_full_recompute(random_lm, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     drops, keep = [], sampler.SharedPrefixCache.keep
     monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: drops.append(len(rows)) or keep(self, rows))
-    ro = brorl.generate(model, tok, PROMPTS, 8, 8, 0.0, 1.0, 4096, gen)
+    ro = sampler.generate(model, tok, PROMPTS, 8, 8, 0.0, 1.0, 4096, gen)
     assert drops  # finished rows were dropped mid-decode, and the survivors still decode exactly
     lengths = set()
     for b, prompt in enumerate(PROMPTS):
@@ -44,11 +43,11 @@ def test_shared_prefix_greedy_equals_full_recompute(random_lm, monkeypatch):
 
 def test_chunked_decoding_equals_one_chunk(random_lm):
     model, tok = random_lm
-    a = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 4096, torch.Generator())
-    b = brorl.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 2, torch.Generator())  # one prompt per chunk
+    a = sampler.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 4096, torch.Generator())
+    b = sampler.generate(model, tok, PROMPTS, 2, 6, 0.0, 1.0, 2, torch.Generator())  # one prompt per chunk
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask)
     # N > max_rows: a group's rows are split into parts of 2, 2, 1, each re-prefilling its prompt
-    c = brorl.generate(model, tok, PROMPTS, 5, 6, 0.0, 1.0, 2, torch.Generator())
+    c = sampler.generate(model, tok, PROMPTS, 5, 6, 0.0, 1.0, 2, torch.Generator())
     assert torch.equal(c.tokens, a.tokens.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1).reshape(-1, 6))
     torch.testing.assert_close(c.logp.view(len(PROMPTS), 5, -1), a.logp.view(len(PROMPTS), 2, -1)[:, :1].expand(-1, 5, -1))
 
@@ -59,7 +58,7 @@ def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
     left, keep = [], sampler.SharedPrefixCache.keep  # rows left per prompt after each drop
     monkeypatch.setattr(sampler.SharedPrefixCache, "keep", lambda self, rows: keep(self, rows) or left.append(
         torch.bincount(self.row_group, minlength=self.B).tolist()))
-    ro = brorl.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
+    ro = sampler.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
     assert any(len(set(c)) > 1 for c in left)  # prompts left with unequal rows: the packed grid was used
     batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
     with torch.no_grad():
@@ -84,7 +83,7 @@ def test_every_attention_row_has_a_key(random_lm):
         return sampler.cascade_attention(module, query, key, value, attention_mask, **kw)
     AttentionInterface.register("brorl", capture)
     try:
-        ro = brorl.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
+        ro = sampler.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
         n_sampler = len(seen)
         batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
         assert not batch["prompt_mask"].all()  # left-padding is there
@@ -137,14 +136,15 @@ def calls_per_n(model, tok, prompts, sizes, seeds, max_rows) -> list:
     out = [None] * len(prompts)
     for size in set(sizes):
         js = [j for j, n in enumerate(sizes) if n == size]
-        alone = brorl.generate(model, tok, [prompts[j] for j in js], size, 8, 1.3, 1.0, max_rows,
+        alone = sampler.generate(model, tok, [prompts[j] for j in js], size, 8, 1.3, 1.0, max_rows,
                                [seeds[j] for j in js])
         for k, j in enumerate(js):
             out[j] = alone.group(k)
     return out
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# Two threads on a busy 2-core machine wait on each other: a minute, so slow.
+@pytest.mark.parametrize("threads", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_each_prompts_own_n_in_one_call_equals_one_call_per_n(random_lm, threads):
     """--alloc adaptive's one call: prompts of unequal lengths and unequal n (groups of 1 to 40; in
     one chunk, and in chunks of 5 rows, a group split into parts) give each prompt exactly the
@@ -165,7 +165,7 @@ def test_each_prompts_own_n_in_one_call_equals_one_call_per_n(random_lm, threads
         for sizes in sizes_of:
             runs = {}
             for max_rows in (4096, 5):
-                one = runs[max_rows] = brorl.generate(model, tok, prompts, sizes, 8, 1.3, 1.0,
+                one = runs[max_rows] = sampler.generate(model, tok, prompts, sizes, 8, 1.3, 1.0,
                                                       max_rows, seeds)
                 assert one.tokens.shape[0] == sum(sizes) and one.n == sizes
                 for j, b in enumerate(calls_per_n(model, tok, prompts, sizes, seeds, max_rows)):
@@ -205,6 +205,7 @@ def test_static_decode_step_equals_the_sampler(random_lm):
         assert torch.equal(ref[4], got[4])  # truncated
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_equals_the_sampler(random_lm, monkeypatch):
     """The same step compiled (torch.compile, inductor on this CPU) at the smallest shapes (two
     prompts, two rollouts each, three tokens), greedy: the sampler's tokens, and its log-probs to

@@ -16,7 +16,7 @@ import pytest
 import brorl
 import data
 import sampler
-from lib import evalonly, setup, tasks
+from lib import setup, tasks
 import verify
 
 GSM8K = [  # GSM8K's own schema: a worked answer ending in "#### <number>"
@@ -159,6 +159,7 @@ def gsm8k_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("gsm8k") / "gsm8k.jsonl", rows)
 
 
+@pytest.mark.slow
 def test_gsm8k_run_then_eval_only_of_its_checkpoint(tmp_path, gsm8k_file):
     run, ev = tmp_path / "run", tmp_path / "eval"
     rows = brorl.train(brorl.parse_config(["--task", f"gsm8k:{gsm8k_file}", "--steps", "2", "--eval_every", "2",
@@ -182,7 +183,7 @@ def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
     exactly the metrics a training run logs at step 0 with the same seed and settings."""
     common = ["--task", f"gsm8k:{gsm8k_file}", "--eval_task", f"gsm8k:{gsm8k_file}", "--seed", "3", "--eval_overlap", "1", *TINY]
     rows = brorl.train(brorl.parse_config([*common, "--steps", "0", "--out", str(tmp_path / "run"), "--save", "false"]))
-    report = evalonly.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]), brorl.evaluate)
+    report = brorl.eval_only(brorl.parse_config([*common, "--eval_only", "--out", str(tmp_path / "eval")]))
     b = report["benchmarks"][f"gsm8k:{gsm8k_file}"]
     step0 = rows[0]
     assert b["pass@k"] == {k: step0[f"eval_pass@{k}"] for k in b["pass@k"]}
@@ -190,6 +191,7 @@ def test_eval_only_equals_the_runs_step0_evaluation(tmp_path, gsm8k_file):
         step0["eval_greedy_pass@1"], step0["eval_resp_len"], step0["eval_truncated"])
 
 
+@pytest.mark.slow
 def test_training_does_not_depend_on_eval_every(tmp_path):
     """Evaluation and the probe draw from their own stream: evaluating at every step or only at the
     end leaves the training trajectory and the final evaluation unchanged."""

@@ -7,6 +7,7 @@ import torch
 
 import brorl
 from lib import policy
+import sampler
 from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
 
 
@@ -24,7 +25,7 @@ def _one_update(model, batch, adv, micro_batch, kl_coef=0.0, old_logp="recompute
 
 def test_micro_batching_changes_memory_not_the_gradient(random_lm):
     model, tok = random_lm
-    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
+    ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
     batch = policy.pack_groups([ro.group(g) for g in range(3)])
     adv = torch.randn(18, generator=torch.Generator().manual_seed(4))
     full, info = _one_update(model, batch, adv, micro_batch=18, kl_coef=0.1)
@@ -39,7 +40,7 @@ def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
     """--old_logp sampler (auto's choice in float32) skips a forward over every row; the update and
     the entropy metric must be the recompute's, up to the rounding between the two forwards."""
     model, tok = random_lm
-    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(5))
+    ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(5))
     batch = policy.pack_groups([ro.group(g) for g in range(3)])
     adv = torch.randn(18, generator=torch.Generator().manual_seed(6))
     recomputed, info_r = _one_update(model, batch, adv, micro_batch=7, old_logp="recompute")
@@ -55,7 +56,7 @@ def test_training_gradient_is_bitwise_reproducible(random_lm):
     per row, and that gather's backward must sum the N rows' gradients in a fixed order (x[idx]'s
     backward on a CPU does not: runs drifted apart from their first step)."""
     model, tok = random_lm
-    ro = brorl.generate(model, tok, PROMPTS[:2], 256, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(7))
+    ro = sampler.generate(model, tok, PROMPTS[:2], 256, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(7))
     batch = policy.pack_groups([ro.group(g) for g in range(2)])
     rows = torch.randperm(512, generator=torch.Generator().manual_seed(8))[:384]  # both prompts, shuffled
 
@@ -96,7 +97,7 @@ def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(
     the first mini-batch's step) and a reference apart from all three: ratio, clip, dual clip, TIS as a
     constant weight (no gradient through it, whatever it is computed from), the k2 KL, 1/T_M. float64."""
     model, tok = random_lm
-    ro = brorl.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(11))
+    ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(11))
     batch = policy.pack_groups([ro.group(g) for g in range(3)])
     g = torch.Generator().manual_seed(12)
     batch["sampler_logp"] = batch["sampler_logp"].double() + 0.3 * torch.randn(18, batch["resp"].shape[1], generator=g,
@@ -125,11 +126,11 @@ def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(
             old = policy.response_logprobs(start, batch, rows, 1.0)  # (r, T) before any update
             ref_logp = policy.response_logprobs(ref, batch, rows, 1.0)  # (r, T)
         logp = policy.response_logprobs(now, batch, rows, 1.0)  # (r, T)
-        mask, A, sampler = batch["resp_mask"][rows], adv[rows][:, None], batch["sampler_logp"][rows]
+        mask, A, sampler_logp = batch["resp_mask"][rows], adv[rows][:, None], batch["sampler_logp"][rows]
         ratio = torch.exp(torch.clamp(logp - old, -20, 20))
         pg = torch.max(-ratio * A, -torch.clamp(ratio, 1 - lo, 1 + hi) * A)
         pg = torch.where(A < 0, torch.min(pg, c * A.abs()), pg)
-        tis = torch.clamp(torch.exp(old - sampler), max=C)  # old and sampler carry no gradient: a constant
+        tis = torch.clamp(torch.exp(old - sampler_logp), max=C)  # old and sampler carry no gradient: a constant
         kl = 0.5 * torch.clamp(logp - ref_logp, -10, 10) ** 2
         loss = ((tis * pg + cfg.kl_coef * kl) * mask).sum() / mask.sum()
         expected = torch.autograd.grad(loss, list(now.parameters()))

@@ -65,7 +65,7 @@ from pathlib import Path
 import brorl
 from lib import config as config_lib
 from lib import mass
-from lib.config import fail
+from lib.errors import fail
 from lib.rundir import metrics_row
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root

@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib import mass
-from lib.config import fail
+from lib.errors import fail
 from tools import ablate
 from tools.theorem1_study import mann_whitney, welch
 
@@ -287,25 +287,24 @@ def figure(raw: Path, path: Path):
 
 
 def per_n(sample_groups):
-    """lib/allocation.sample_candidates as the adaptive arm sampled before the sampler took each
-    prompt's own n: brorl.sample_groups once per distinct n; the same Groups, rewards and lengths,
-    in candidate order."""
-    def sample(sample_share, group, model, tok, cfg, batch, n, seeds):
-        groups, lengths = [None] * len(batch), [None] * len(batch)
+    """lib/step.sample_groups as the adaptive arm sampled before the sampler took each prompt's own
+    n: sample_groups once per distinct n; the same Groups, in candidate order."""
+    def sample(model, tok, cfg, batch, n, seeds):
+        groups = [None] * len(batch)
         for size in sorted(set(n)):
             js = [j for j in range(len(batch)) if n[j] == size]
-            got, _, got_len = sample_groups(model, tok, cfg, [batch[j] for j in js], size,
-                                            [seeds[j] for j in js])
-            for j, g, x in zip(js, got, got_len):
-                groups[j], lengths[j] = g, x
-        return groups, [g.rewards for g in groups], lengths
+            got = sample_groups(model, tok, cfg, [batch[j] for j in js], size,
+                                [seeds[j] for j in js])
+            for j, g in zip(js, got):
+                groups[j] = g
+        return groups
     return sample
 
 
 def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     """Rollouts per CPU second (this process, one thread) of the adaptive arm, of the same arm with
     one sampler call per distinct n (per_n), and of its control N=16-one-round, on the warm start:
-      rollout  the rollout phase alone (brorl.sample_groups: sampler and verifier), 32 training
+      rollout  the rollout phase alone (lib/step.sample_groups: sampler and verifier), 32 training
                prompts, the adaptive arms' 512 rollouts allocated for estimates q = u^4, u uniform
                (a skewed spread of 4 to ~40 a prompt, as the study's steps show), the control's 16
                each; median of `repeats` interleaved repeats;
@@ -319,19 +318,17 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     import torch
     import brorl
     from lib import allocation, setup
+    from lib.step import sample_groups as one_call
     torch.set_num_threads(1)
-    one_call = allocation.sample_candidates
-    ours = lambda fn: lambda *a: fn(brorl.sample_share, brorl.Group, *a)  # (model, ..., seeds)
     cfg = brorl.parse_config([*TASKS[task], *ARMS["adaptive"], "--device", "cpu"])
     cfg, _, train_set, _, model, tok, _ = setup.setup(cfg, cfg.model, "--model")
     batch, seeds = random.Random(seed).sample(train_set, 32), list(range(32))
     u = torch.rand(32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     n = allocation.allocate(u ** 4, 512, 4, 256).tolist()  # (32,) rollouts a prompt, sum 512
-    arms = {"adaptive": lambda: ours(one_call)(model.eval(), tok, cfg, batch, n, seeds),
-            "adaptive, a call per n": lambda: ours(per_n(brorl.sample_groups))(
-                model.eval(), tok, cfg, batch, n, seeds),
-            "N=16-one-round": lambda: ours(one_call)(model.eval(), tok, cfg, batch, [16] * 32,
-                                                     seeds)}
+    arms = {"adaptive": lambda: one_call(model.eval(), tok, cfg, batch, n, seeds),
+            "adaptive, a call per n": lambda: per_n(one_call)(model.eval(), tok, cfg, batch, n,
+                                                              seeds),
+            "N=16-one-round": lambda: one_call(model.eval(), tok, cfg, batch, [16] * 32, seeds)}
     cpu = {k: [] for k in arms}
     for _ in range(repeats):
         for k, fn in arms.items():
@@ -346,8 +343,7 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     is_clock = lambda k: k.startswith("time_") or k == "tokens_per_s"
     with tempfile.TemporaryDirectory() as tmp:
         for name, arm_flags in flags.items():
-            allocation.sample_candidates = (per_n(brorl.sample_groups) if "per n" in name
-                                            else one_call)
+            allocation.sample_groups = per_n(one_call) if "per n" in name else one_call
             try:
                 rows = brorl.train(brorl.parse_config(
                     [*TASKS[task], *arm_flags, "--seed", str(seed), "--steps", str(steps),
@@ -355,7 +351,7 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
                      "--probe_prompts", "4", "--probe_samples", "64",
                      "--out", os.path.join(tmp, name.replace(" ", "_").replace(",", ""))]))
             finally:
-                allocation.sample_candidates = one_call
+                allocation.sample_groups = one_call
             trained = [r for r in rows if r["step"] > 0]
             runs[name] = [{k: v for k, v in r.items() if not is_clock(k)} for r in rows]
             out["step"][name] = sum(r["samples"] for r in trained) / trained[-1]["time_train_cpu"]

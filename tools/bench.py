@@ -83,7 +83,8 @@ from transformers.utils import logging as hf_logging
 import brorl
 import data
 from kernels import token_logprobs
-from lib.config import OneLineParser, fail
+from lib.config import OneLineParser
+from lib.errors import fail
 import sampler
 from lib import pretrained, setup
 

@@ -22,7 +22,7 @@ Commands:
   python -m tools.bench_kernels --part logprobs --shapes 65536x151936 --compiled_shapes 0
   python -m tools.bench_kernels --tune                     # GPU: a few launch configs, fwd+bwd ms
   python -m tools.bench_kernels --part peers               # GPU: TRL's unit
-  python -m tools.bench_kernels --part peers --trl /work/trlvenv/bin/python  # CPU: against TRL
+  python -m tools.bench_kernels --part peers --trl /tmp/trl-venv/bin/python  # CPU: against TRL
 Figures: docs/results/kernel.md.
 """
 

@@ -21,7 +21,8 @@ The plateau, defined before the trunk ran: at an eval step s >= --window, the or
 squares slope of the exact mean Q over the trunk's 64 prompts (answers_q: every answer's
 probability, lib/answers.py) against the step, over the evals in (s - --window, s], has a 95%
 interval (Student's t) that contains 0 and lies within +-0.01 per 100 steps. The reach window:
-1/2048 <= Q < 1/16, where N = 512 draws a right answer in most steps and N = 16 rarely.
+1/2048 <= Q < 1/16, where a group's chance of a right answer a step, 1 - (1 - Q)^N, runs from
+0.22 to 1.0 at N = 512 and from 0.008 to 0.64 at N = 16.
 
 Raw files, committed as they land: assets/revival/trunk/metrics.jsonl (the trunk so far, rewritten
 after each chunk), assets/revival/trunk/chunks.jsonl (each chunk's steps and CPU seconds),

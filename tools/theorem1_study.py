@@ -36,7 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lib.config import fail
+from lib.errors import fail
 from tools import ablate
 
 HERE = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from lib.config import fail
+from lib.errors import fail
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tools import ablate
+from tools import ablate, study
 import brorl
 from lib import diagnostics, policy, step
 import sampler
@@ -184,36 +184,7 @@ def test_smoke_sweep_summary_equals_metrics_and_reruns_skip(tmp_path, monkeypatc
 
 
 # ----------------------------------------------------------------------------
-# paired t tests
-
-
-def t_density_tail(t: float, df: int, steps: int = 20_000) -> float:
-    """Two-sided p-value by Simpson's rule on Student's t density over [0, |t|] (an independent reference)."""
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)
-    h = abs(t) / steps
-    area = h / 3 * sum(f(i * h) * (1 if i in (0, steps) else 4 if i % 2 else 2) for i in range(steps + 1))
-    return 1 - 2 * area
-
-
-@pytest.mark.parametrize("t, df", [(2.0, 10), (0.3, 1), (1.5, 3), (4.2, 7), (0.05, 40), (2.6, 127)])
-def test_t_test_p_value_against_the_density(t, df):
-    p = ablate.betainc(df / 2, 0.5, df / (df + t * t))
-    assert math.isclose(p, t_density_tail(t, df), rel_tol=1e-7, abs_tol=1e-10)
-    if df == 1:  # Cauchy: closed form
-        assert math.isclose(p, 1 - 2 / math.pi * math.atan(t), rel_tol=1e-12)
-
-
-def test_t_test_of_known_differences():
-    # t table: 2.228 is the two-sided 5% point at 10 degrees of freedom; R's 2 * pt(-2, 10) = 0.07338803
-    diffs = [0.1, 0.3, -0.2, 0.4, 0.25]  # mean 0.17, sd 0.2387: t = 1.5925 with 4 df
-    r = ablate.t_test(diffs)
-    sd = statistics.stdev(diffs)
-    assert r["n"] == 5 and math.isclose(r["t"], 0.17 / (sd / math.sqrt(5)))
-    assert math.isclose(r["p"], t_density_tail(r["t"], 4), rel_tol=1e-7)
-    assert math.isclose(ablate.betainc(5, 0.5, 10 / (10 + 2.228138852 ** 2)), 0.05, rel_tol=1e-8)
-    assert math.isclose(ablate.betainc(5, 0.5, 10 / 14), 0.0733880347707, rel_tol=1e-9)
-    assert math.isnan(ablate.t_test([0.2, 0.2, 0.2])["p"])  # no spread: no test, not p = 0
+# paired comparisons (their statistics: tests/test_stats.py)
 
 
 def test_paired_needs_the_same_problems_for_the_per_problem_test():
@@ -273,15 +244,6 @@ def test_zone_migration_counts_by_hand():
     assert ablate.zone_migration({}, last, 16, 512) == {}  # a run without exact Q: no measures
 
 
-def test_sign_test_exact_values():
-    assert ablate.sign_test([1.0] * 5) == pytest.approx(2 / 32)  # five of five: 0.0625, never below 0.05
-    assert ablate.sign_test([1.0, 1, 1, 1, -1]) == pytest.approx(2 * 6 / 32)
-    assert ablate.sign_test([1.0, -1.0, 0.0]) == 1.0  # the tie dropped
-    assert math.isnan(ablate.sign_test([0.0, 0.0]))
-    n, k = 12, 2  # against the binomial sum written out
-    assert ablate.sign_test([1.0] * (n - k) + [-1.0] * k) == pytest.approx(2 * (1 + 12 + 66) / 4096)
-
-
 def test_breadth_study_gate_and_plot(tmp_path):
     """tools/breadth_study.py's gate count (the branch point needs >= 30 prompts in it) and its figure from a
     summary's per-prompt log10 Q (a synthetic one: two arms, two seeds)."""
@@ -313,4 +275,4 @@ def test_a_run_another_process_holds_is_left_alone(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait()
-    assert not ablate.running_elsewhere(run)  # the holder is gone: its file left behind is free
+    assert not study.lock_holder(run)  # the holder is gone: its file left behind is free

@@ -431,8 +431,9 @@ def test_the_studies_check_their_flags_and_raw_files_before_any_run(tmp_path, ca
                                                                     study, flags, raw, needle):
     """A budget or cap that is not a finite number > 0, a raw file that is not a whole run's rows,
     a report over nothing: one line, before any run starts."""
-    from tools import ablate, allocation_study, theorem1_study
-    monkeypatch.setattr(ablate, "run_to_raw", lambda *a: pytest.fail("a run started"))
+    from tools import allocation_study, theorem1_study
+    from tools import study as skeleton
+    monkeypatch.setattr(skeleton, "run_to_raw", lambda *a: pytest.fail("a run started"))
     (tmp_path / "raw").mkdir()
     (tmp_path / "file").write_text("")
     if raw:
@@ -1082,7 +1083,7 @@ OUT_OF_RANGE = [
     ("n_rollouts", 1, "--n_rollouts 1: need N >= 2"),
     ("eval_every", 0, "--eval_every >= 1"),
     ("alloc", "greedy", "--alloc 'greedy': choose uniform or adaptive"),
-    ("loss", "", "--loss '': choose ppo, gspo or cispo"),
+    ("loss", "", "--loss '': choose ppo, gspo, cispo or sapo"),
     ("dtype", "float16", "--dtype 'float16': choose auto, float32 or bfloat16"),
 ]
 
@@ -1093,7 +1094,7 @@ def test_a_field_of_config_json_out_of_range_is_one_line(run, capsys, name, valu
     (run / "config.json").write_text(json.dumps({**config_json, name: value}))
     before = snapshot(run)
     line = one_line(*run_in_process(capsys, "--resume", str(run), "--steps", "3"))
-    assert needle in line and line.endswith(f"comes from the run's config.json)"), line
+    assert needle in line and line.endswith("comes from the run's config.json)"), line
     assert snapshot(run) == before
 
 
@@ -1261,3 +1262,166 @@ def test_a_denied_open_in_torch_save_is_one_line(sets_run, tmp_path, capsys, mon
                               f"--resume {run} continues from its last checkpoint, or from step "
                               "0 if none")
     assert not list(run.rglob("*.tmp"))
+
+
+# ----------------------------------------------------------------------------
+# The study drivers (tools/study.py): every flag, folder and raw file checked before anything is
+# made or run, a report never overwritten by a refusal, a live run never raced
+
+
+def revival_raw(raw: Path, trunk: str = "trunk"):
+    """The revival study's raw files, made up and whole: a trunk of 40 steps, its chunks, its
+    plateau, and a report to keep."""
+    from tools import revival_study
+    rows = [dict(step=s, answers_q=0.5, answers_log10_q_per_prompt=[-3.0, 0.0])
+            for s in range(0, 50, 10)]
+    (raw / trunk).mkdir(parents=True)
+    (raw / trunk / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (raw / trunk / "chunks.jsonl").write_text(json.dumps(dict(steps_to=40, cpu_s=9.0)) + "\n")
+    rec = {**revival_study.plateau_test(rows, 30),
+           **revival_study.branch_point(rows, dict(step=40), 30), "window": 30}
+    (raw / trunk / "plateau.json").write_text(json.dumps(rec))
+    (raw / "report.md").write_text("the report before\n")
+
+
+def revival_without(key: str):
+    def broken(raw: Path):
+        revival_raw(raw)
+        rec = json.loads((raw / "trunk" / "plateau.json").read_text())
+        (raw / "trunk" / "plateau.json").write_text(json.dumps(
+            {k: v for k, v in rec.items() if k != key}))
+    return broken
+
+
+def revival_with(path: str, text: str = None):
+    def broken(raw: Path):
+        revival_raw(raw)
+        (raw / path).parent.mkdir(parents=True, exist_ok=True)
+        (raw / path).unlink() if text is None else (raw / path).write_text(text)
+    return broken
+
+
+def foreign_trunk(tmp: Path, finished: Path):
+    shutil.copytree(finished, tmp / "out" / "trunk-2")
+
+
+def live_run(tmp: Path, finished: Path):
+    """A brorl.py run still going in the study's first run directory (a process holding its
+    lock, as a run a killed driver left does)."""
+    run = tmp / "out" / "keys" / "adaptive" / "seed0"
+    run.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; "
+                               "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242\\n'); "
+                               "print('held', flush=True); sys.stdin.read()", str(run / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def trunk_records_without_run(tmp: Path, finished: Path):
+    (tmp / "raw" / "trunk-2").mkdir(parents=True)
+    (tmp / "raw" / "trunk-2" / "chunks.jsonl").write_text('{"steps_to": 10, "cpu_s": 1.0}\n')
+
+
+ARM_OF_ANOTHER_STUDY = '{"step": 0, "mass_exact_mean": 0.1}\n{"step": 1, "samples": 4}\n'
+
+# (study, flags, what --raw holds (a function of it) or what --out holds (of tmp, the finished
+# run), the one line's needle): each refused before anything is made, run or rewritten
+STUDY_INPUTS = [
+    ("revival_study", ["--window", "20"], None,
+     "--window 20: the plateau rule fits a line to the evaluations of the last --window steps, one "
+     "every 10: it needs >= 30 (3 of them)"),
+    ("revival_study", ["--prompts", "2", "--only", "trunk"], ("out", foreign_trunk),
+     "{tmp}/out/trunk-2: holds a run of other flags (--train_prompts 0, not 2): not this "
+     "study's trunk-2; give another --out, or delete it"),
+    ("revival_study", ["--prompts", "2", "--only", "trunk"], ("out", trunk_records_without_run),
+     "{tmp}/raw/trunk-2/chunks.jsonl records trunk-2 to step 10, but its run {tmp}/out/trunk-2 "
+     "holds no checkpoint and {tmp}/out/trunk-2-branch none of that step: they disagree"),
+    ("revival_study", ["--report"], revival_with("trunk/plateau.json", '{"step": 4'),
+     "{tmp}/raw/trunk/plateau.json: unreadable (Expecting ',' delimiter)"),
+    ("revival_study", ["--report"], revival_without("slope_per_100"),
+     "{tmp}/raw/trunk/plateau.json: not this study's record (it lacks slope_per_100)"),
+    ("revival_study", ["--report"], revival_with("arms/prorl/seed0.jsonl", ARM_OF_ANOTHER_STUDY),
+     "{tmp}/raw/arms/prorl/seed0.jsonl: not a run of this study (IndexError"),
+    ("revival_study", ["--report"], revival_with("trunk/metrics.jsonl"),
+     "{tmp}/raw/trunk/metrics.jsonl is missing: the trunk's raw files are incomplete"),
+    ("revival_study", ["--out", "{tmp}/file"], None, "--out {tmp}/file: cannot make it"),
+    ("theorem1_study", ["--only", "iso", "iso"], None, "--only iso iso: iso twice"),
+    ("theorem1_study", ["--report"], raw_file(ARM_OF_ANOTHER_STUDY, "nalone/N=16,B=8"),
+     "nalone/N=16,B=8/seed0.jsonl: not a run of this study (IndexError"),
+    ("theorem1_study", ["--out", "{tmp}/file"], None, "--out {tmp}/file: cannot make it"),
+    ("allocation_study", ["--arms", "N=512", "N=512"], None, "--arms N=512 N=512: N=512 twice"),
+    ("allocation_study", ["--speed", "2", "--report"], None,
+     "--speed 2 with --report: --speed measures its own three arms on --tasks and writes "
+     "nothing (no runs, no raw files, no report); drop it"),
+    ("allocation_study", ["--speed", "2", "--arms", "N=16"], None, "--speed 2 with --arms"),
+    ("allocation_study", ["--out", "{tmp}/file"], None, "--out {tmp}/file: cannot make it"),
+    ("allocation_study", ["--tasks", "keys", "--arms", "adaptive", "--seeds", "0"],
+     ("out", live_run), "{tmp}/out/keys/adaptive/seed0: a brorl.py run (pid 4242) still holds it"),
+]
+
+
+@pytest.mark.parametrize("name, flags, holds, needle", STUDY_INPUTS,
+                         ids=[f"{x[0]} {' '.join(x[1])} {x[3][:30]}" for x in STUDY_INPUTS])
+def test_a_study_refuses_bad_input_before_making_running_or_rewriting_anything(
+        tmp_path, capsys, monkeypatch, finished, name, flags, holds, needle):
+    """--window without 3 evaluations, --out holding another run (or records its run cannot
+    meet), raw files cut short, lacking a key or another study's, --arms twice, --speed with the
+    study's flags, --out a file, a run still going: one line, exit 2; --raw not made, the report as
+    it was, no run started."""
+    import importlib
+    from tools import study as skeleton
+    main = importlib.import_module(f"tools.{name}").main
+    monkeypatch.setattr(skeleton, "run_to_raw", lambda *a: pytest.fail("a run started"))
+    monkeypatch.setattr(skeleton.ChunkedRun, "advance", lambda *a: pytest.fail("a run started"))
+    raw = tmp_path / "raw"
+    (tmp_path / "file").write_text("")
+    holder = None
+    if callable(holds):
+        holds(raw)
+    elif holds:
+        holder = holds[1](tmp_path, finished)
+    before, raw_made = snapshot(tmp_path), raw.exists()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*["--raw", str(raw), "--out", str(tmp_path / "out")] * ("--speed" not in flags),
+                  *[f.format(tmp=tmp_path) for f in flags]])
+    finally:
+        if holder:
+            holder.stdin.close()
+            holder.wait()
+    line = one_line(exit_info.value.code, capsys.readouterr().err)
+    assert needle.format(tmp=tmp_path) in line, line
+    assert {k: v for k, v in snapshot(tmp_path).items() if not k.endswith(".lock")} == {
+        k: v for k, v in before.items() if not k.endswith(".lock")}
+    assert raw.exists() == raw_made and not (tmp_path / "out").exists() or holds
+
+
+def test_a_study_whose_run_failed_exits_1_naming_it(tmp_path, capsys, monkeypatch):
+    """allocation_study with a run that fails: exit 1, the run named; no report over the rest."""
+    from tools import allocation_study
+    from tools import study as skeleton
+    monkeypatch.setattr(skeleton, "run_to_raw", lambda job: 3)
+    with pytest.raises(SystemExit) as exit_info:
+        allocation_study.main(["--tasks", "keys", "--arms", "N=512", "--seeds", "0", "--raw",
+                               str(tmp_path / "raw"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.strip().splitlines()[-1] == (
+        "error: 1 run(s) failed (rerun the command to retry them): keys N=512 seed 0: failed "
+        f"(exit 3), {tmp_path}/out/keys/N=512/seed0.log")
+    assert not (tmp_path / "raw" / "report.md").exists()
+
+
+def test_a_second_driver_on_one_out_is_one_line(tmp_path, capsys):
+    from tools import study as skeleton
+    out = tmp_path / "out"
+    out.mkdir()
+    with skeleton.DriverLock(out):
+        holder = subprocess.run([sys.executable, "-c", "import sys; from tools import study; "
+                                 "from pathlib import Path; study.DriverLock(Path(sys.argv[1]))"
+                                 ".__enter__()", str(out)], cwd=HERE, capture_output=True,
+                                text=True)
+    line = one_line(holder.returncode, holder.stderr)
+    assert line == (f"error: --out {out}: another study driver (pid {os.getpid()}) is using it; "
+                    "wait for it to end, or give another --out"), line

@@ -49,10 +49,8 @@ Nothing here needs to change.
 import argparse
 import concurrent.futures
 import dataclasses
-import fcntl
 import itertools
 import json
-import math
 import os
 import re
 import shutil
@@ -67,6 +65,8 @@ from lib import config as config_lib
 from lib import mass
 from lib.errors import fail
 from lib.rundir import metrics_row
+from tools import study
+from tools.stats import mean_sd, sign_test, t_test
 
 HERE = Path(__file__).resolve().parent.parent  # the repository root
 RESERVED = ("seed", "out", "resume")  # flags a sweep sets per run, or must not set
@@ -161,41 +161,17 @@ def is_complete(run_dir: Path, argv: list[str]) -> bool:
     return True
 
 
-def thread_env(threads: int) -> dict:
-    """This process's environment, with a run's torch threads set (torch reads them at import); 0: as is."""
-    env = dict(os.environ)
-    if threads > 0:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
-
-
-def running_elsewhere(run_dir: Path) -> bool:
-    """Whether a live process holds the run's lock (brorl.py's <out>/.lock): a sweep started twice must not
-    clear a run in progress. A shared probe of the flock, let go at once; a lock file left by a dead run is free."""
-    try:
-        fd = os.open(run_dir / ".lock", os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
     """Run brorl.py with argv, its output to run_dir/log.txt; write done.json if it exits 0. A run another
     process is running is left alone (reported, not cleared)."""
-    if running_elsewhere(run_dir):
+    if study.lock_holder(run_dir):
         return dict(code=1, seconds=0.0, error=f"another process is running it ({run_dir / '.lock'} is held): left alone")
     for stale in ("metrics.jsonl", "done.json", "config.json"):  # an unfinished earlier attempt starts over
         (run_dir / stale).unlink(missing_ok=True)
     for stale in ("ckpt", "ckpt.old", "ckpt.tmp"):  # (brorl.py refuses a directory that holds a run)
         shutil.rmtree(run_dir / stale, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = thread_env(threads)
+    env = study.thread_env(threads)
     # with --report_to wandb: the sweep's runs in one group (the sweep directory's name), each named <config>/seed<S>
     env.setdefault("WANDB_RUN_GROUP", run_dir.parent.parent.name)
     env.setdefault("WANDB_NAME", f"{run_dir.parent.name}/{run_dir.name}")
@@ -239,82 +215,6 @@ def sweep(runs: list[dict], jobs: int, threads: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------
 # The summary: per run from its metrics.jsonl, per config over seeds
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def run_to_raw(argv: list, run_dir: Path, raw_file: Path, log_file: Path) -> int:
-    """A study's run (tools/theorem1_study.py, tools/allocation_study.py): `python brorl.py argv`
-    on one thread in a fresh run_dir (a killed run's leftovers removed), its output to log_file;
-    when it exits 0, its metrics.jsonl, argv added to the first row, written whole to raw_file.
-    Returns its exit status."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_file, "w") as log:
-        code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=log,
-                              stderr=subprocess.STDOUT, env=thread_env(1)).returncode
-    if code == 0:
-        raw_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = raw_file.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n"
-                               for r in read_rows(run_dir)))
-        tmp.rename(raw_file)
-    return code
-
-
-def read_raw(raw: Path) -> dict:
-    """A study's raw files <raw>/<a>/<b>/seed<S>.jsonl as {a: {b: {S: rows}}}. A file that is not
-    a whole run's rows (unreadable, empty, a line cut short, not from step 0) stops with one line
-    naming it: read before any run, so that a study never counts it as done, nor reports on it."""
-    out = {}
-    for path in sorted(raw.glob("*/*/seed*.jsonl")):
-        out.setdefault(path.parent.parent.name, {}).setdefault(path.parent.name, {})[
-            raw_seed(path)] = raw_rows(path)
-    return out
-
-
-def raw_seed(path: Path) -> int:
-    """The seed a raw file's name holds, or one line."""
-    if not path.stem[4:].isdigit():
-        fail(f"{path}: not a raw file's name (seed<S>.jsonl, S a number)")
-    return int(path.stem[4:])
-
-
-def raw_rows(path: Path) -> list:
-    """A raw file's rows, or one line naming what is wrong with it."""
-    redo = "delete it and the study runs that run again"
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})")
-    rows = [metrics_row(line) for line in lines if line.strip()]
-    if not rows:
-        fail(f"{path}: empty, not a run's rows; {redo}")
-    if None in rows:
-        fail(f"{path}: line {rows.index(None) + 1} is not a metrics row (cut short?); {redo}")
-    if rows[0]["step"] != 0:
-        fail(f"{path}: starts at step {rows[0]['step']}, not 0 (not a whole run); {redo}")
-    return rows
-
-
-def writable_dir(flag: str, path: Path, files=()):
-    """A study's output folder, made if missing, and the files it rewrites there: one that cannot
-    be written is one line, before any run."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        fail(f"{flag} {path}: cannot make it ({e.strerror})")
-    for p in (path, *(path / f for f in files)):
-        if p.exists() and (not os.access(p, os.W_OK) or (p != path and p.is_dir())):
-            fail(f"{flag} {path}: {p} is not a writable {'folder' if p == path else 'file'}")
-
-
-def finite_positive(flag: str, value: float):
-    """A study's budget or cap: a finite number above 0, else one line."""
-    if not (math.isfinite(value) and value > 0):
-        fail(f"{flag} {value}: need a finite number > 0")
 
 
 def run_summary(rows: list[dict], clock: str, gate: tuple = (16, 512)) -> dict:
@@ -370,46 +270,8 @@ def zone_migration(first: dict, last: dict, small_n: int, large_n: int) -> dict:
             "log10_q_start": a, "log10_q_end": b}
 
 
-def mean_sd(xs: list[float]) -> tuple[float, float]:
-    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
-
-
 # ----------------------------------------------------------------------------
-# Paired comparisons: Student's t on paired differences (no scipy: the t distribution's tail is an
-# incomplete beta function, evaluated by its continued fraction, Numerical Recipes §6.4)
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b), 0 <= x <= 1."""
-    if x <= 0 or x >= 1:
-        return float(x >= 1)
-    if x > (a + 1) / (a + b + 2):  # the continued fraction converges fast below this point; use the symmetry
-        return 1 - betainc(b, a, 1 - x)
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)) / a
-    # modified Lentz on f = 1 + 1 / (1 + d1 / (1 + d2 / ...)); the fraction itself is f - 1
-    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
-    for i in range(400):
-        m = i // 2  # d_{2m+1} = -(a+m)(a+b+m)x / ((a+2m)(a+2m+1)), d_{2m} = m(b-m)x / ((a+2m-1)(a+2m))
-        num = 1.0 if i == 0 else (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)) if i % 2 == 0
-                                  else -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)))
-        d = 1 + num * d
-        d = 1 / (d if abs(d) > tiny else tiny)
-        c = 1 + num / c
-        c = c if abs(c) > tiny else tiny
-        f *= c * d
-        if abs(c * d - 1) < 1e-15:
-            break
-    return front * (f - 1)
-
-
-def t_test(diffs: list[float]) -> dict:
-    """Paired t test of mean(diffs) = 0: n, mean, t and the two-sided p-value (t with n - 1 degrees of freedom)."""
-    n, mean = len(diffs), statistics.fmean(diffs)
-    sd = statistics.stdev(diffs) if n > 1 else 0.0
-    if n < 2 or sd == 0:  # no spread: t is undefined (identical runs, or one pair)
-        return dict(n=n, mean=mean, t=float("nan"), p=float("nan"))
-    t, df = mean / (sd / math.sqrt(n)), n - 1
-    return dict(n=n, mean=mean, t=t, p=betainc(df / 2, 0.5, df / (df + t * t)))
+# Paired comparisons: Student's t on paired differences, and the sign test (tools/stats.py)
 
 
 def paired(result: dict, a: str, b: str) -> dict:
@@ -428,14 +290,6 @@ def paired(result: dict, a: str, b: str) -> dict:
         rate = lambda rs, j: statistics.fmean(rs[s]["correct"][j] / n for s in seeds)  # problem j's pass@1 over seeds
         out["per_problem"] = t_test([rate(ra, j) - rate(rb, j) for j in range(len(runs[0]["correct"]))])
     return out
-
-
-def sign_test(diffs: list[float]) -> float:
-    """Two-sided exact sign test of median(diffs) = 0 (ties dropped): 2 P(X <= min(k, n - k)), X ~ Bin(n, 1/2).
-    With 5 pairs its smallest p is 0.0625: five seeds can show a direction, never p < 0.05 alone."""
-    pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-    n, k = pos + neg, min(pos, neg)
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else float("nan")
 
 
 MASS_MEASURES = ("exact_q", "gate_lifted", "high_lost", "below_dlog10_median", "gate_left")
@@ -474,7 +328,7 @@ def summarize(runs: list[dict], out: Path, command: str, compare: list = ()) -> 
         else:
             config = json.loads((r["dir"] / "config.json").read_text())
             gate = config.get("gate_small_n", 16), config.get("gate_large_n", 512)
-            run = c["runs"][r["seed"]] = run_summary(read_rows(r["dir"]), clock, gate)
+            run = c["runs"][r["seed"]] = run_summary(study.read_rows(r["dir"]), clock, gate)
             # which held-out problems it was scored on: --eval_seed's, or (runs older than that flag) --seed's
             run["eval_samples"] = config["eval_samples"]
             run["eval_problems"] = (" ".join(str(config.get(k)) for k in ("task", "eval_task", "digits", "eval_seed"))

@@ -29,7 +29,7 @@ the start, >= 1/16 at the end); the prompts no rollout ever got right during the
 (sampled_right) and the mean change of their log10 Q; informative groups (rewards not all equal)
 per 1,000 rollouts. Adaptive and its control draw the same candidates and seeds at a step of a
 seed, the other arms share no random draws; all are compared unpaired: the exact Mann-Whitney
-test and Welch's t on the per-seed values (tools/theorem1_study.py's). Raw results: each run's
+test and Welch's t on the per-seed values (tools/stats.py). Raw results: each run's
 metrics.jsonl, copied to <raw>/<task>/<arm>/seed<S>.jsonl as it ends; a rerun skips the runs
 whose raw file exists (so a rerun after a change of the code goes to a new --raw).
 
@@ -40,7 +40,7 @@ runs two at once (the committed study: 22 minutes).
 --speed S measures, without the study, rollouts per CPU second (one thread) of S training steps
 of the adaptive arm, of the same arm with its rollouts sampled in one call per distinct n (how the
 sampler was called before it took each prompt's own n), and of its control N=16-one-round, on
-each task.
+each task (--tasks; the study's other flags are refused with it).
 
   python -m tools.allocation_study --out runs/allocation-1call --raw assets/allocation-1call \
       --jobs 2                                            # 4 arms x 2 tasks x 5 seeds
@@ -49,17 +49,15 @@ each task.
 """
 
 import argparse
-import math
 import os
 import statistics
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lib import mass
 from lib.errors import fail
-from tools import ablate
-from tools.theorem1_study import mann_whitney, welch
+from tools import study
+from tools.stats import mann_whitney, welch
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "allocation-1call"  # the first study: assets/allocation
@@ -80,20 +78,16 @@ COMMON = ["--lr", "2e-4", "--save", "0", "--steps", "100000", "--eval_every", "2
           "--probe_prompts", "4", "--probe_samples", "64", "--budget_clock", "cpu"]
 
 
-def run(task: str, arm: str, seed: int, budget: float, out: Path, raw: Path) -> str:
-    """One run, unless its raw file exists; its metrics.jsonl (the argv on its first row) copied to
-    the raw file when it ends. Returns a line saying what happened."""
-    target = raw / task / arm / f"seed{seed}.jsonl"
-    if target.is_file():
-        return f"{task} {arm} seed {seed}: done before"
-    run_dir = out / task / arm / f"seed{seed}"
-    argv = [*TASKS[task], *COMMON, *ARMS[arm], "--seed", str(seed), "--time_budget", str(budget),
-            "--out", str(run_dir)]
-    log = run_dir.parent / f"seed{seed}.log"
-    code = ablate.run_to_raw(argv, run_dir, target, log)
-    if code != 0:
-        return f"{task} {arm} seed {seed}: failed (exit {code}), {log}"
-    return f"{task} {arm} seed {seed}: python brorl.py {' '.join(argv)}"
+def jobs(tasks: list, arms: list, seeds: list, budget: float, out: Path, raw: Path) -> list:
+    """Every run, seed by seed, every arm of a seed before the next seed (a study cut short stays
+    balanced); each one's metrics.jsonl (the argv on its first row) copied to its raw file when it
+    ends."""
+    return [study.Job(f"{task} {arm} seed {seed}",
+                      [*TASKS[task], *COMMON, *ARMS[arm], "--seed", str(seed), "--time_budget",
+                       str(budget), "--out", str(out / task / arm / f"seed{seed}")],
+                      out / task / arm / f"seed{seed}", raw / task / arm / f"seed{seed}.jsonl",
+                      out / task / arm / f"seed{seed}.log")
+            for seed in seeds for task in tasks for arm in arms]
 
 
 # ----------------------------------------------------------------------------
@@ -130,7 +124,7 @@ def measures(rows: list, arm: str) -> dict:
 def read(raw: Path) -> dict:
     """{task: {arm: {seed: measures}}} from the raw files; none: one line."""
     runs = {task: {arm: seeds for arm, seeds in arms.items() if arm in ARMS}
-            for task, arms in ablate.read_raw(raw).items() if task in TASKS}
+            for task, arms in study.read_raw(raw, groups=TASKS).items()}
     if not any(runs.values()):
         fail(f"--raw {raw}: no raw files of this study to report on "
              "(<raw>/<task>/<arm>/seed<S>.jsonl); run it first")
@@ -140,7 +134,9 @@ def read(raw: Path) -> dict:
                 if not any("mass_exact_mean" in r for r in rows):
                     fail(f"--raw {raw}: {task}/{arm}/seed{seed}.jsonl holds no row with the "
                          "exact Q (mass_exact_mean): not a run of this study")
-    return {task: {arm: {seed: measures(rows, arm) for seed, rows in seeds.items()}
+    return {task: {arm: {seed: study.measured(raw / task / arm / f"seed{seed}.jsonl", measures,
+                                              rows, arm)
+                         for seed, rows in seeds.items()}
                    for arm, seeds in arms.items()} for task, arms in runs.items()}
 
 
@@ -216,10 +212,11 @@ def equal_rollouts(raw: Path) -> str:
     each, measured at the same step); the uniform arms, whose steps draw unequal rollouts,
     interpolated linearly between their evaluations at 512 S. Tests of adaptive against each."""
     lines = []
-    for task, arms in ablate.read_raw(raw).items():
-        if task not in TASKS or not {"adaptive", "N=16-one-round"} <= set(arms):
+    for task, arms in study.read_raw(raw, groups=TASKS).items():
+        if not {"adaptive", "N=16-one-round"} <= set(arms):
             continue
-        curves = {arm: {seed: curve(rows) for seed, rows in seeds.items()}
+        curves = {arm: {seed: study.measured(raw / task / arm / f"seed{seed}.jsonl", curve, rows)
+                        for seed, rows in seeds.items()}
                   for arm, seeds in arms.items() if arm in ARMS}
         for arm, seeds in curves.items():
             for seed, c in seeds.items():
@@ -366,13 +363,20 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     return out
 
 
-def check_flags(p, args):
-    """One line for a flag the study cannot run with (before any run starts), beside main's
-    checks of --budget and --jobs."""
-    if not args.seeds or min(args.seeds) < 0 or len(set(args.seeds)) != len(args.seeds):
-        p.error(f"--seeds {' '.join(map(str, args.seeds))}: need distinct seeds >= 0")
+def check_flags(args, given: set):
+    """One line for a flag the study cannot run with (before any run starts): --speed measures the
+    three arms of its own, on --tasks alone, so every other flag of the study is refused with it."""
     if args.speed < 0:
-        p.error(f"--speed {args.speed}: need >= 1 step (0: no speed measurement)")
+        fail(f"--speed {args.speed}: need >= 1 step (0: no speed measurement)")
+    if args.speed and (idle := sorted(given - {"speed", "tasks"})):
+        fail(f"--speed {args.speed} with --{idle[0]}: --speed measures its own three arms on "
+             "--tasks and writes nothing (no runs, no raw files, no report); drop it")
+    study.finite_positive("--budget", args.budget)  # 0 would be no budget: 100,000 steps
+    if args.jobs < 1:
+        fail(f"--jobs {args.jobs}: need >= 1")
+    study.check_seeds(args.seeds)
+    study.check_distinct("--tasks", args.tasks)
+    study.check_distinct("--arms", args.arms)
     for arm, flags in ARMS.items():  # the arms' own caps: B x min <= R <= B x max, all positive
         f = dict(zip(flags[::2], flags[1::2]))
         if f.get("--alloc") == "adaptive":
@@ -388,25 +392,27 @@ RUN_OVERHEAD_CPU_S = 35
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/allocation", help="run directories")
-    p.add_argument("--raw", default=str(RAW), help="raw results (each run's metrics.jsonl)")
-    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    p.add_argument("--budget", type=float, default=30.0, help="CPU seconds of training a run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (each one thread)")
-    p.add_argument("--report", action="store_true", help="tables and figure from the raw files")
-    p.add_argument("--speed", type=int, default=0,
+    defaults = dict(out="runs/allocation", raw=str(RAW), tasks=list(TASKS), arms=list(ARMS),
+                    seeds=[0, 1, 2, 3, 4], budget=30.0, jobs=1, report=False, speed=0)
+    # (each default None here, so that a flag given is known: --speed refuses the others)
+    p.add_argument("--out", help="run directories (default: runs/allocation)")
+    p.add_argument("--raw", help="raw results, each run's metrics.jsonl (default: "
+                                 "assets/allocation-1call)")
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: keys sets")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), help="default: all four")
+    p.add_argument("--seeds", nargs="+", type=int, help="default: 0 1 2 3 4")
+    p.add_argument("--budget", type=float, help="CPU seconds of training a run (default: 30)")
+    p.add_argument("--jobs", type=int, help="runs at once, each one thread (default: 1)")
+    p.add_argument("--report", action="store_const", const=True,
+                   help="tables and figure from the raw files")
+    p.add_argument("--speed", type=int,
                    help="steps: measure rollouts per CPU s of the adaptive arms instead")
     args = p.parse_args(argv)
-    raw = Path(args.raw)
-    # Every flag and every raw file already there checked before any run.
-    ablate.finite_positive("--budget", args.budget)  # 0 would be no budget: 100,000 steps
-    if args.jobs < 1:
-        fail(f"--jobs {args.jobs}: need >= 1")
-    if bad := [s for s in args.seeds if s < 0]:
-        fail(f"--seeds: {bad[0]}: need seeds >= 0")
-    check_flags(p, args)
+    given = {k for k, v in vars(args).items() if v is not None}
+    args = argparse.Namespace(**{k: defaults[k] if v is None else v for k, v in vars(args).items()})
+    raw, out = Path(args.raw), Path(args.out)
+    # Every flag, folder and raw file checked before anything is made or run.
+    check_flags(args, given)
     if args.speed:
         print(f"rollouts per CPU second, one thread: the rollout phase (median of 5) and "
               f"{args.speed} training steps from the warm start")
@@ -424,25 +430,29 @@ def main(argv=None):
                 f"{k} {r['rollout_s'][k]:.2f} / {r['update_s'][k]:.2f}" for k in r["rollout_s"]),
                 flush=True)
         return
+    study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if args.report:  # over raw files that exist, into --raw
-        read(raw)
-    ablate.writable_dir("--raw", raw, files=("report.md", "figure.png"))
-    if not args.report:
-        ablate.writable_dir("--out", Path(args.out))
-        ablate.read_raw(raw)
-        # seed by seed, every arm of a seed before the next seed: a study cut short stays balanced
-        todo = [(t, a, s) for s in args.seeds for t in args.tasks for a in args.arms
-                if not (raw / t / a / f"seed{s}.jsonl").is_file()]
-        cpu = len(todo) * (args.budget + RUN_OVERHEAD_CPU_S)
-        print(f"{len(todo)} runs to do (the others' raw files exist): about {cpu / 60:.0f} CPU "
-              f"minutes, {cpu / 60 / args.jobs:.0f} minutes at --jobs {args.jobs}", flush=True)
-        with ThreadPoolExecutor(args.jobs) as pool:
-            for line in pool.map(lambda x: run(*x, args.budget, Path(args.out), raw), todo):
-                print(line, flush=True)
+        write_report(raw)
+        return
+    study.check_folder("--out", out)
+    study.read_raw(raw)
+    todo = study.pending(jobs(args.tasks, args.arms, args.seeds, args.budget, out, raw))
+    study.make_folders(raw, out)
+    cpu = len(todo) * (args.budget + RUN_OVERHEAD_CPU_S)
+    print(f"{len(todo)} runs to do (the others' raw files exist): about {cpu / 60:.0f} CPU "
+          f"minutes, {cpu / 60 / args.jobs:.0f} minutes at --jobs {args.jobs}", flush=True)
+    with study.DriverLock(out):  # one driver at a time on --out
+        study.exit_if_failed(study.run_jobs(todo, args.jobs))
+    write_report(raw)
+
+
+def write_report(raw: Path):
+    """report.md (the tables, as printed) and figure.png, from every raw file read and measured
+    first: a refusal leaves the old ones."""
     text = report(raw) + "\n## At equal rollouts\n\n" + equal_rollouts(raw)
+    study.write_outputs(raw, {"report.md": study.text_writer(text),
+                              "figure.png": lambda path: figure(raw, path)})
     print(text)
-    (raw / "report").with_suffix(".md").write_text(text)  # the tables, as printed
-    figure(raw, raw / "figure.png")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ budgets of process CPU seconds. Three sweeps of three arms, each arm --seeds tim
             >= 30 prompts, --budget_branch CPU s (the revival question, while there is mass to revive)
   late      from the base run's step --base_steps checkpoint, --budget_branch CPU s (what is left)
 
-The base run is ProRL's shape, seed 0, from the warm start, --base_steps steps, its checkpoint copied
-every --base_every steps (resumed bit-exactly between them). Every run logs the exact correct mass of
+The base run is ProRL's shape, seed 0, from the warm start, --base_steps steps, run in chunks of
+--base_every steps (resumed bit-exactly between them; tools/study.py's ChunkedRun), its checkpoint
+at each chunk's end kept as <out>/base/ckpt-<step>. Every run logs the exact correct mass of
 all 512 prompts at its first and last evaluation (lib/mass.py); each sweep's <out>/<sweep>/summary.md and .json
 (tools/ablate.py) holds the per-arm measures (mean exact Q; gate prompts lifted above 1/16; prompts
 >= 1/16 lost; the median change of log10 Q of the prompts below the gate; keep rate, sampling rounds,
@@ -31,50 +32,37 @@ CPU: about 1.5 CPU hours with the defaults (5 seeds): 4,250 CPU s of training by
 import argparse
 import json
 import math
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from lib import mass
-from tools import ablate
+from lib.errors import fail
+from tools import ablate, study
 
 HERE = Path(__file__).resolve().parent.parent
 ARMS = ["n_rollouts=16,512,512", "prompts_per_step=16,4,4", f"lr=2e-4,{2e-4 * math.sqrt(8):.4g},2e-4"]
 COMMON = ["--preset", "keys", "--budget_clock", "cpu", "--steps", "100000", "--eval_every", "100000", "--save", "0"]
 
 
-def base_run(out: Path, steps: int, every: int) -> dict:
-    """ProRL's shape from the warm start, seed 0, in segments of `every` steps (--resume between them is
-    bit-exact), its checkpoint copied to <out>/base/ckpt-<step> after each; skipped where the copy exists.
-    Returns {step: log10 Q per prompt} at each copied checkpoint."""
-    run = out / "base" / "run"
+def base_run(out: Path, steps: int, every: int) -> study.ChunkedRun:
+    """ProRL's shape from the warm start, seed 0, a chunked run (tools/study.py) of `every` steps a
+    chunk (--resume between them is bit-exact), its checkpoint at each chunk's end kept as
+    <out>/base/ckpt-<step>; a rerun goes on from the last recorded chunk."""
     flags = ["--preset", "keys", "--n_rollouts", "16", "--prompts_per_step", "16", "--lr", "2e-4",
              "--eval_every", str(every), "--seed", "0"]
-    for stop in range(every, steps + 1, every):
-        copy = out / "base" / f"ckpt-{stop:04d}"
-        if copy.is_dir():
-            continue
-        ckpt = run / "ckpt" / "trainer_state.pt"
-        at = torch.load(ckpt, map_location="cpu", weights_only=True)["step"] if ckpt.is_file() else 0
-        if at > stop:  # a copy removed by hand: the run has moved past it
-            sys.exit(f"error: {copy} is missing and the base run is at step {at}: delete {run.parent} to redo it")
-        if at < stop:  # else killed between its segment and the copy
-            if not at:  # a first segment killed before its checkpoint: start it over
-                shutil.rmtree(run, ignore_errors=True)
-            argv = ["--steps", str(stop), *(["--resume", str(run)] if at else [*flags, "--out", str(run)])]
-            print(f"base run to step {stop}: python brorl.py {' '.join(argv)}", flush=True)
-            code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], env=ablate.thread_env(1),
-                                  stdout=subprocess.DEVNULL).returncode
-            if code != 0:
-                sys.exit(f"error: the base run failed at its segment to step {stop} (exit {code})")
-        shutil.rmtree(copy.with_suffix(".tmp"), ignore_errors=True)
-        shutil.copytree(run / "ckpt", copy.with_suffix(".tmp"))  # whole, then named: a killed copy is redone
-        copy.with_suffix(".tmp").rename(copy)
-    rows = ablate.read_rows(run)
-    return {r["step"]: r["mass_exact_log10"] for r in rows if "mass_exact_log10" in r and r["step"] % every == 0}
+    return study.ChunkedRun("base run", out / "base" / "run", flags, every, steps,
+                            out / "base" / "chunks.jsonl",
+                            lambda step: out / "base" / f"ckpt-{step:04d}",
+                            out / "base" / "run.log", keep_copies=True)
+
+
+def base_masses(run: study.ChunkedRun, steps: int, every: int) -> dict:
+    """The base run brought to `steps`; {step: log10 Q per prompt} at each kept checkpoint."""
+    done = run.done()
+    while done < steps:
+        done = run.advance(done)
+    return {r["step"]: r["mass_exact_log10"] for r in run.rows(steps)
+            if "mass_exact_log10" in r and r["step"] % every == 0}
 
 
 def sweep(name: str, out: Path, budget: float, seeds: list, jobs: int, init_from: str = "") -> dict:
@@ -102,26 +90,39 @@ def main(argv=None):
     ap.add_argument("--only", choices=["warm", "base", "mid", "late"], nargs="+", default=["warm", "mid", "late"],
                     help="the sweeps to run (default all three; base: the base run alone)")
     args = ap.parse_args(argv)
-    if args.jobs < 1 or args.budget_warm <= 0 or args.budget_branch <= 0 or not 1 <= args.base_every <= args.base_steps:
-        ap.error("need --jobs >= 1, budgets > 0 and 1 <= --base_every <= --base_steps")
+    # Every flag and folder checked before anything is made or run.
+    if (args.jobs < 1 or args.budget_warm <= 0 or args.budget_branch <= 0
+            or not 1 <= args.base_every <= args.base_steps):
+        fail("need --jobs >= 1, budgets > 0 and 1 <= --base_every <= --base_steps")
+    study.check_seeds(args.seeds)
+    study.check_distinct("--only", args.only)
     out = Path(args.out)
-    results = {}
-    if "warm" in args.only:
-        results["warm"] = sweep("warm", out, args.budget_warm, args.seeds, args.jobs)
+    study.check_folder("--out", out, files=("study.json", "study.png"))
+    run = base_run(out, args.base_steps, args.base_every)
     if {"base", "mid", "late"} & set(args.only):
-        base = base_run(out, args.base_steps, args.base_every)
-        held = [s for s, q in sorted(base.items()) if gate_count(q) >= 30]
-        mid = max(held, default=None)
-        print("base run, prompts in the gate: " + ", ".join(f"step {s}: {gate_count(q)}" for s, q in sorted(base.items())))
-        if "mid" in args.only:
-            if mid is None:
-                sys.exit("error: no base checkpoint holds 30 prompts in the gate: nothing to branch the revival from")
-            results["mid"] = sweep("mid", out, args.budget_branch, args.seeds, args.jobs, str(out / "base" / f"ckpt-{mid:04d}"))
-        if "late" in args.only:
-            results["late"] = sweep("late", out, args.budget_branch, args.seeds, args.jobs,
-                                    str(out / "base" / f"ckpt-{args.base_steps:04d}"))
-    (out / "study.json").write_text(json.dumps({k: v for k, v in results.items()}, indent=1, default=str))
-    plot_study(results, out / "study.png")
+        run.check()
+    study.make_folders(out)
+    with study.DriverLock(out):  # one driver at a time on --out
+        results = {}
+        if "warm" in args.only:
+            results["warm"] = sweep("warm", out, args.budget_warm, args.seeds, args.jobs)
+        if {"base", "mid", "late"} & set(args.only):
+            base = base_masses(run, args.base_steps, args.base_every)
+            held = [s for s, q in sorted(base.items()) if gate_count(q) >= 30]
+            mid = max(held, default=None)
+            print("base run, prompts in the gate: " + ", ".join(
+                f"step {s}: {gate_count(q)}" for s, q in sorted(base.items())))
+            if "mid" in args.only:
+                if mid is None:
+                    sys.exit("error: no base checkpoint holds 30 prompts in the gate: nothing to "
+                             "branch the revival from")
+                results["mid"] = sweep("mid", out, args.budget_branch, args.seeds, args.jobs,
+                                       str(out / "base" / f"ckpt-{mid:04d}"))
+            if "late" in args.only:
+                results["late"] = sweep("late", out, args.budget_branch, args.seeds, args.jobs,
+                                        str(out / "base" / f"ckpt-{args.base_steps:04d}"))
+        (out / "study.json").write_text(json.dumps(results, indent=1, default=str))
+        plot_study(results, out / "study.png")
     print(f"wrote {out / 'study.png'}")
 
 

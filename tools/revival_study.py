@@ -7,8 +7,10 @@ a subprocess on one thread:
   trunk   ProRL's shape on a small fixed set: the sets task's 64 prompts whose answers are
           enumerated (--train_prompts 64), all of them every step (B = 64, one round), N = 16,
           until the plateau defined below, in chunks of --chunk steps (each chunk a --resume of the
-          last: a killed trunk goes on from its last checkpoint), CPU seconds capped (--trunk_cap).
-          At the plateau the run's checkpoint is the branch point.
+          last, recorded as it ends; tools/study.py's ChunkedRun: whatever killed the study, the
+          same command goes on from the last recorded chunk and ends as an uninterrupted trunk),
+          CPU seconds capped (--trunk_cap). At the plateau the run's checkpoint is the branch
+          point.
   arms    from that checkpoint (--init_from, its AdamW moments too), every arm one run a seed:
             prorl     N = 16, B = 64: ProRL continued
             n512      N = 512 at equal B, steps, lr and mini-batches
@@ -26,10 +28,10 @@ interval (Student's t) that contains 0 and lies within +-0.01 per 100 steps. The
 
 Raw files, committed as they land: assets/revival/trunk/metrics.jsonl (the trunk so far, rewritten
 after each chunk), assets/revival/trunk/chunks.jsonl (each chunk's steps and CPU seconds),
-assets/revival/plateau.json (the branch point: its step, the slope and its interval, the window
-count), assets/revival/arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl, argv in its first
-row). --report reads them alone: the page's numbers (assets/revival/report.md) and the figure
-(assets/revival/revival.png). The reading: docs/results/revival.md.
+assets/revival/trunk/plateau.json (the branch point: its step, the slope and its interval, the
+window count), assets/revival/arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl, argv in its
+first row). --report reads them alone, each checked: the page's numbers (assets/revival/report.md)
+and the figure (assets/revival/revival.png). The reading: docs/results/revival.md.
 
   python -m tools.revival_study --out runs/revival                  # trunk, then every arm
   python -m tools.revival_study --out runs/revival --only trunk     # the trunk and its plateau
@@ -37,21 +39,19 @@ row). --report reads them alone: the page's numbers (assets/revival/report.md) a
 """
 
 import argparse
-import concurrent.futures
 import json
 import math
-import resource
-import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-from tools import ablate
+from lib.errors import fail
+from lib.rundir import write_atomic
+from tools import stats, study
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "revival"
 N_PROMPTS = 64  # the testbed: the sets task's first 64 eval prompts (their answers enumerated)
+EVAL_EVERY = 10  # the trunk's evaluations: every 10 steps (and at each chunk's end)
 
 
 def trunk_flags(n: int) -> list:
@@ -59,7 +59,7 @@ def trunk_flags(n: int) -> list:
     return ["--preset", "sets", "--train_prompts", str(n), "--eval_prompts", str(n),
             "--answer_prompts", str(n), "--prompts_per_step", str(n), "--max_rounds", "1",
             "--n_rollouts", "16", "--lr", "2e-4", "--eval_samples", "4", "--probe_prompts", "4",
-            "--probe_samples", "64", "--seed", "0", "--eval_every", "10"]
+            "--probe_samples", "64", "--seed", "0", "--eval_every", str(EVAL_EVERY)]
 
 
 def trunk_name(n: int) -> str:
@@ -67,28 +67,6 @@ def trunk_name(n: int) -> str:
     return "trunk" if n == N_PROMPTS else f"trunk-{n}"
 WINDOW = (1 / 2048, 1 / 16)  # the reach window of Q
 SLOPE_BOUND = 0.01  # the plateau: the slope's 95% interval within +-this per 100 steps
-
-
-def t_quantile(df: int, p: float = 0.975) -> float:
-    """Student's t quantile by bisection on its CDF (ablate.betainc: the regularised incomplete
-    beta)."""
-    cdf = lambda t: 1 - 0.5 * ablate.betainc(df / 2, 0.5, df / (df + t * t)) if t > 0 else 0.5
-    lo, hi = 0.0, 100.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def slope(xs: list, ys: list) -> tuple:
-    """OLS slope of ys on xs and its 95% interval (Student's t, n - 2 degrees of freedom)."""
-    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys))
-    se = math.sqrt(resid / (n - 2) / sxx)
-    half = t_quantile(n - 2) * se
-    return b, b - half, b + half
 
 
 def plateau_test(rows: list, window: int) -> dict:
@@ -99,7 +77,9 @@ def plateau_test(rows: list, window: int) -> dict:
     if last < window:
         return dict(step=last, plateau=False)
     pts = [(r["step"], r["answers_q"]) for r in evals if r["step"] > last - window]
-    b, lo, hi = (100 * v for v in slope(*zip(*pts)))
+    if len(pts) < 3:  # (main refuses a --window of fewer than 3 evaluations)
+        return dict(step=last, plateau=False)
+    b, lo, hi = (100 * v for v in stats.slope(*zip(*pts)))
     return dict(step=last, slope_per_100=b, ci_low=lo, ci_high=hi, evals=len(pts),
                 plateau=lo <= 0 <= hi and -SLOPE_BOUND <= lo and hi <= SLOPE_BOUND)
 
@@ -109,22 +89,6 @@ def zones(log10_q: list) -> dict:
     lo, hi = (math.log10(w) for w in WINDOW)
     return dict(high=sum(q >= hi for q in log10_q), window=sum(lo <= q < hi for q in log10_q),
                 below=sum(q < lo for q in log10_q))
-
-
-def read_jsonl(path: Path) -> list:
-    """The trunk's chunks.jsonl (not metrics rows: ablate.raw_rows reads those); one line naming
-    the file if it cannot be read."""
-    try:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except (OSError, ValueError) as e:
-        sys.exit(f"revival_study: {path}: unreadable ({e}); delete it to rerun what wrote it")
-
-
-def write_atomic(path: Path, text: str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.rename(path)
 
 
 def branch_point(rows: list, test: dict, window: int) -> dict:
@@ -138,7 +102,7 @@ def branch_point(rows: list, test: dict, window: int) -> dict:
     recent = [r for r in evals if r["step"] > test["step"] - window]
     moved = []
     for i in stuck:
-        b = slope([r["step"] for r in recent],
+        b = stats.slope([r["step"] for r in recent],
                   [r["answers_log10_q_per_prompt"][i] for r in recent])[0] if len(recent) > 2 else 0
         moved.append(dict(prompt=i, log10_q_start=first[i], log10_q_branch=last[i],
                           decades_per_100=100 * b))
@@ -151,18 +115,41 @@ def branch_point(rows: list, test: dict, window: int) -> dict:
 # The trunk
 
 
+def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int,
+              n: int = N_PROMPTS) -> study.ChunkedRun:
+    """The trunk as a chunked run (tools/study.py): <out>/<name>, its chunks recorded in
+    <raw>/<name>/chunks.jsonl, its checkpoint at the last recorded chunk copied to
+    <out>/<name>-branch (the arms' branch point once the plateau is declared)."""
+    name = trunk_name(n)
+    return study.ChunkedRun(name, out / name, trunk_flags(n), chunk, max_steps,
+                            raw / name / "chunks.jsonl", lambda step: out / f"{name}-branch",
+                            out / f"{name}.log")
+
+
+def check_trunk_raw(raw: Path, n: int):
+    """The trunk's raw files already there: this trunk's (its metrics.jsonl's flags), readable,
+    the plateau's record whole; else one line."""
+    folder, flags = raw / trunk_name(n), trunk_flags(n)
+    if (folder / "metrics.jsonl").is_file():
+        rows = study.raw_rows(folder / "metrics.jsonl")
+        if rows[0].get("argv") != flags:
+            fail(f"{folder / 'metrics.jsonl'}: another trunk's rows (its flags "
+                 f"{rows[0].get('argv')}, not {flags}); give another --raw")
+    if (folder / "plateau.json").is_file():
+        study.read_json(folder / "plateau.json", PLATEAU_KEYS)
+
+
 def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: int,
           n: int = N_PROMPTS) -> dict:
-    """ProRL's shape until the plateau, in chunks, each a --resume of the last; the raw files
-    rewritten after every chunk. Returns the plateau record, or {} if the trunk stopped first."""
-    name, flags = trunk_name(n), trunk_flags(n)
-    run_dir, log = out / name, out / f"{name}.log"
-    chunks_file = raw / name / "chunks.jsonl"
-    chunks = read_jsonl(chunks_file) if chunks_file.is_file() else []
+    """ProRL's shape until the plateau, in chunks, each a --resume of the last: after each recorded
+    chunk the raw metrics rewritten and the plateau rule tested. Returns the plateau record, or {}
+    if the trunk stopped first. A rerun goes on from the last recorded chunk (study.ChunkedRun)."""
+    run, name = trunk_run(out, raw, chunk, max_steps, n), trunk_name(n)
     while True:
-        rows = ablate.read_rows(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-        done = rows[-1]["step"] if rows else 0
-        if rows and (run_dir / "ckpt").is_dir():
+        done = run.done()
+        if done:
+            rows = run.rows(done)
+            write_atomic(raw / name / "metrics.jsonl", study.raw_text(rows, trunk_flags(n)))
             test = plateau_test(rows, window)
             q = rows[-1].get("answers_q", float("nan"))
             print(f"{name} step {done}: mean exact Q {q:.4f}; "
@@ -171,35 +158,12 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: 
                 record = {**branch_point(rows, test, window), "window": window}
                 write_atomic(raw / name / "plateau.json", json.dumps(record, indent=1) + "\n")
                 return record
-        spent = sum(c["cpu_s"] for c in chunks)
+        spent = sum(c["cpu_s"] for c in run.records())
         if done >= max_steps or spent >= cap:
             print(f"trunk: stopped without a plateau at step {done} ({spent:.0f} CPU s; "
                   f"--max_steps {max_steps}, --trunk_cap {cap})", flush=True)
             return {}
-        target = min(done + chunk, max_steps)
-        argv = (["--resume", str(run_dir), "--steps", str(target)] if rows else
-                [*flags, "--steps", str(target), "--out", str(run_dir)])
-        print(f"{name}: python brorl.py {' '.join(argv)}", flush=True)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        with open(log, "a") as f:
-            code = subprocess.run([sys.executable, str(HERE / "brorl.py"), *argv], stdout=f,
-                                  stderr=subprocess.STDOUT, env=ablate.thread_env(1)).returncode
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        if code != 0:
-            sys.exit(f"revival_study: the trunk's chunk to step {target} failed (exit {code}): "
-                     f"{log}")
-        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-        chunks.append(dict(steps_to=target, cpu_s=round(cpu, 2)))
-        write_atomic(chunks_file, "".join(json.dumps(c) + "\n" for c in chunks))
-        rows = ablate.read_rows(run_dir)
-        write_atomic(raw / name / "metrics.jsonl",
-                     "".join(json.dumps({**r, "argv": flags} if r["step"] == 0 else r) + "\n"
-                             for r in rows))
-        if (run_dir / "ckpt").is_dir():  # the branch point is the checkpoint at the plateau
-            branch = out / f"{name}-branch"
-            shutil.rmtree(branch, ignore_errors=True)
-            shutil.copytree(run_dir / "ckpt", branch / "ckpt")
-            shutil.copy(run_dir / "config.json", branch / "config.json")
+        run.advance(done)
 
 
 # ----------------------------------------------------------------------------
@@ -232,34 +196,26 @@ def arm_argv(arm: str, seed: int, branch: Path, run_dir: Path, cap: float,
             "--time_budget", str(cap), "--budget_clock", "cpu", "--out", str(run_dir)]
 
 
-def arms(out: Path, raw: Path, seeds: list, jobs: int, cap: float, n: int = N_PROMPTS):
+def arm_jobs(out: Path, raw: Path, seeds: list, cap: float, n: int = N_PROMPTS) -> list:
     """Every arm's runs, seed by seed (every arm's seed 0, then seed 1, ...: a study cut short is
-    balanced), `jobs` at a time; each run's metrics.jsonl copied to its raw file when it ends. A
-    rerun skips the runs whose raw file exists."""
+    balanced), each from the trunk's branch point."""
+    branch = out / f"{trunk_name(n)}-branch"
+    return [study.Job(f"{arm} seed {seed}",
+                      arm_argv(arm, seed, branch, out / "arms" / arm / f"seed{seed}", cap, n),
+                      out / "arms" / arm / f"seed{seed}", raw / "arms" / arm / f"seed{seed}.jsonl",
+                      out / "arms" / f"{arm}-seed{seed}.log")
+            for seed in seeds for arm in ARMS]
+
+
+def arms(out: Path, raw: Path, seeds: list, jobs: int, cap: float, n: int = N_PROMPTS):
+    """Every arm's runs, `jobs` at a time, each run's metrics.jsonl copied to its raw file when it
+    ends. A rerun skips the runs whose raw file exists."""
     name = trunk_name(n)
     branch = out / f"{name}-branch"
     if not (raw / name / "plateau.json").is_file() or not (branch / "ckpt").is_dir():
-        sys.exit(f"revival_study: no plateau yet ({raw / name / 'plateau.json'}, "
-                 f"{branch / 'ckpt'}): run the trunk first (--only trunk)")
-    todo = [(arm, seed) for seed in seeds for arm in ARMS
-            if not (raw / "arms" / arm / f"seed{seed}.jsonl").is_file()]
-
-    def one(job):
-        arm, seed = job
-        run_dir = out / "arms" / arm / f"seed{seed}"
-        argv = arm_argv(arm, seed, branch, run_dir, cap, n)
-        print(f"{arm} seed {seed}: python brorl.py {' '.join(argv)}", flush=True)
-        log = out / "arms" / f"{arm}-seed{seed}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        code = ablate.run_to_raw(argv, run_dir, raw / "arms" / arm / f"seed{seed}.jsonl", log)
-        print(f"{arm} seed {seed}: " + ("done" if code == 0 else f"failed (exit {code}): {log}"),
-              flush=True)
-        return code
-
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        codes = list(pool.map(one, todo))
-    if any(codes):
-        sys.exit(f"revival_study: {sum(c != 0 for c in codes)} run(s) failed")
+        fail(f"no plateau yet ({raw / name / 'plateau.json'}, {branch / 'ckpt'}): run the trunk "
+             "first (--only trunk)")
+    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, cap, n), jobs))
 
 
 # ----------------------------------------------------------------------------
@@ -301,23 +257,11 @@ def arm_measures(rows: list) -> dict:
     }
 
 
-def welch_interval(a: list, b: list) -> tuple:
-    """The difference of means a - b and its 95% interval (Welch)."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    d = statistics.fmean(a) - statistics.fmean(b)
-    if va + vb == 0:
-        return d, d, d
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    half = t_quantile(df) * math.sqrt(va + vb)
-    return d, d - half, d + half
-
-
 def compare(a: list, b: list) -> str:
     """Welch's difference with its interval, Welch's p and the exact Mann-Whitney p."""
-    from tools.theorem1_study import mann_whitney, welch
-    d, lo, hi = welch_interval(a, b)
-    return (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}] | p {welch(a, b)[1]:.3g} | "
-            f"p {mann_whitney(a, b):.3g}")
+    d, lo, hi = stats.welch_interval(a, b)
+    return (f"{d:+.4f} [{lo:+.4f}, {hi:+.4f}] | p {stats.welch(a, b)[1]:.3g} | "
+            f"p {stats.mann_whitney(a, b):.3g}")
 
 
 def at_cpu(m: dict, cpu: float) -> float:
@@ -325,57 +269,95 @@ def at_cpu(m: dict, cpu: float) -> float:
     return [q for _, _, c, q in m["curve"] if c <= cpu][-1]
 
 
+# What a plateau's record holds (branch_point, with the window), and a chunk's record.
+PLATEAU_KEYS = ("step", "slope_per_100", "ci_low", "ci_high", "evals", "window", "answers_q",
+                "answers_q_start", "zones_start", "zones_branch", "go", "stuck")
+
+
+def trunk_files(raw: Path) -> list:
+    """Each trunk's raw files, read and checked: (name, its plateau record or None, its chunks'
+    records, its metrics rows); a trunk whose plateau was declared needs all three files."""
+    out = []
+    for folder in sorted({p.parent for p in raw.glob("trunk*/*") if p.name in (
+            "plateau.json", "metrics.jsonl", "chunks.jsonl")}):
+        plateau = folder / "plateau.json"
+        for need in ("metrics.jsonl", "chunks.jsonl"):
+            if not (folder / need).is_file():
+                fail(f"{folder / need} is missing: the trunk's raw files are incomplete; rerun "
+                     f"the trunk (--only trunk --raw {raw}) to write them")
+        out.append((folder.name, study.read_json(plateau, PLATEAU_KEYS) if plateau.is_file()
+                    else None, study.read_jsonl(folder / "chunks.jsonl", ("steps_to", "cpu_s")),
+                    study.raw_rows(folder / "metrics.jsonl")))
+    return out
+
+
+def plateau_lines(name: str, rec: dict, chunks: list) -> list:
+    """A trunk's plateau, from its record and its chunks' CPU seconds."""
+    return [f"## {name}: the plateau, measured before any arm ran", "",
+            f"- plateau declared at step {rec['step']}: slope of the mean exact Q "
+            f"{rec['slope_per_100']:+.4f} per 100 steps, 95% interval "
+            f"[{rec['ci_low']:+.4f}, {rec['ci_high']:+.4f}] over the last {rec['window']} "
+            f"steps ({rec['evals']} evals); trunk CPU {sum(c['cpu_s'] for c in chunks):.0f} s",
+            f"- mean exact Q {rec['answers_q_start']:.4f} at step 0 -> {rec['answers_q']:.4f}",
+            f"- zones at step 0 (high >= 1/16 / reach window / below 1/2048): "
+            f"{rec['zones_start']['high']} / {rec['zones_start']['window']} / "
+            f"{rec['zones_start']['below']}; at the plateau: {rec['zones_branch']['high']} / "
+            f"{rec['zones_branch']['window']} / {rec['zones_branch']['below']}",
+            f"- go (at least 1 in 8 of the set in the reach window): {rec['go']}",
+            "- the prompts below 1/16 at the plateau (log10 Q at step 0 -> at the plateau; "
+            "decades per 100 steps over the rule's window): " + "; ".join(
+                f"{x['log10_q_start']:.2f} -> {x['log10_q_branch']:.2f} "
+                f"({x['decades_per_100']:+.2f})" for x in rec["stuck"]), ""]
+
+
+def trunk_lines(name: str, rows: list, plateau: bool) -> list:
+    """A trunk's prompts by zone, and when each first reached 1/16; without a plateau, the rule at
+    its last eval."""
+    evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
+    hi, out = math.log10(WINDOW[1]), []
+    if not plateau:
+        test = plateau_test(rows, 100)
+        out += [f"## {name}: stopped at step {evals[-1]['step']} without a plateau",
+                "", f"- plateau rule at its last eval: slope "
+                f"{test.get('slope_per_100', float('nan')):+.4f} per 100 steps, interval "
+                f"[{test.get('ci_low', float('nan')):+.4f}, "
+                f"{test.get('ci_high', float('nan')):+.4f}]; mean exact Q "
+                f"{evals[-1]['answers_q']:.4f}"]
+    out += [f"- {name}, prompts by zone (high / reach window / below) at each "
+            "eval: " + "; ".join(
+                f"{r['step']}: " + "/".join(str(v) for v in
+                                            zones(r["answers_log10_q_per_prompt"]).values())
+                for r in evals if r["step"] % 50 == 0)]
+    # When each prompt first reached 1/16: the trunk's own revivals, step by step.
+    first = [next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
+             for i in range(len(evals[0]["answers_log10_q_per_prompt"]))]
+    late = sorted(f for f in first if f is not None and f > 100)
+    return out + [f"- {name}: prompts that first reached 1/16 after step 100: "
+                  f"{len(late)} (at steps {', '.join(map(str, late)) or 'none'}); never: "
+                  f"{sum(f is None for f in first)}", ""]
+
+
+def arm_files(raw: Path) -> dict:
+    """{arm: [each seed's measures, by seed]} of the raw arm files, each checked and measured."""
+    runs = study.read_raw(raw, groups=("arms",)).get("arms", {})
+    return {a: [study.measured(raw / "arms" / a / f"seed{s}.jsonl", arm_measures, rows)
+                for s, rows in sorted(runs[a].items())] for a in ARMS if runs.get(a)}
+
+
 def report(raw: Path) -> str:
-    """The page's numbers, as markdown."""
+    """The page's numbers, as markdown, from the raw files (each checked: one line for a file
+    that is not this study's)."""
     out = ["# Revival study: the numbers (written by `python -m tools.revival_study --report`)", ""]
-    for path in sorted(raw.glob("trunk*/plateau.json")):
-        rec = json.loads(path.read_text())
-        chunks = read_jsonl(path.parent / "chunks.jsonl")
-        out += [f"## {path.parent.name}: the plateau, measured before any arm ran", "",
-                f"- plateau declared at step {rec['step']}: slope of the mean exact Q "
-                f"{rec['slope_per_100']:+.4f} per 100 steps, 95% interval "
-                f"[{rec['ci_low']:+.4f}, {rec['ci_high']:+.4f}] over the last {rec['window']} "
-                f"steps ({rec['evals']} evals); trunk CPU {sum(c['cpu_s'] for c in chunks):.0f} s",
-                f"- mean exact Q {rec['answers_q_start']:.4f} at step 0 -> {rec['answers_q']:.4f}",
-                f"- zones at step 0 (high >= 1/16 / reach window / below 1/2048): "
-                f"{rec['zones_start']['high']} / {rec['zones_start']['window']} / "
-                f"{rec['zones_start']['below']}; at the plateau: {rec['zones_branch']['high']} / "
-                f"{rec['zones_branch']['window']} / {rec['zones_branch']['below']}",
-                f"- go (at least 1 in 8 of the set in the reach window): {rec['go']}",
-                "- the prompts below 1/16 at the plateau (log10 Q at step 0 -> at the plateau; "
-                "decades per 100 steps over the rule's window): " + "; ".join(
-                    f"{x['log10_q_start']:.2f} -> {x['log10_q_branch']:.2f} "
-                    f"({x['decades_per_100']:+.2f})" for x in rec["stuck"]), ""]
-    for path in sorted(raw.glob("trunk*/metrics.jsonl")):
-        rows = ablate.raw_rows(path)
-        evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
-        hi, plateau = math.log10(WINDOW[1]), path.parent / "plateau.json"
-        if not plateau.is_file():
-            test = plateau_test(rows, 100)
-            out += [f"## {path.parent.name}: stopped at step {evals[-1]['step']} without a plateau",
-                    "", f"- plateau rule at its last eval: slope "
-                    f"{test.get('slope_per_100', float('nan')):+.4f} per 100 steps, interval "
-                    f"[{test.get('ci_low', float('nan')):+.4f}, "
-                    f"{test.get('ci_high', float('nan')):+.4f}]; mean exact Q "
-                    f"{evals[-1]['answers_q']:.4f}"]
-        out += [f"- {path.parent.name}, prompts by zone (high / reach window / below) at each "
-                "eval: " + "; ".join(
-                    f"{r['step']}: " + "/".join(str(v) for v in
-                                                zones(r["answers_log10_q_per_prompt"]).values())
-                    for r in evals if r["step"] % 50 == 0)]
-        # When each prompt first reached 1/16: the trunk's own revivals, step by step.
-        first = [next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
-                 for i in range(len(evals[0]["answers_log10_q_per_prompt"]))]
-        late = sorted(f for f in first if f is not None and f > 100)
-        out += [f"- {path.parent.name}: prompts that first reached 1/16 after step 100: "
-                f"{len(late)} (at steps {', '.join(map(str, late)) or 'none'}); never: "
-                f"{sum(f is None for f in first)}", ""]
-    runs = ablate.read_raw(raw)
-    arms_raw = {a: runs.get("arms", {}).get(a, {}) for a in ARMS}
-    if not any(arms_raw.values()):
+    trunks = trunk_files(raw)
+    for name, rec, chunks, _ in trunks:
+        if rec is not None:
+            out += study.measured(raw / name / "plateau.json", plateau_lines, name, rec, chunks)
+    for name, rec, _, rows in trunks:
+        out += study.measured(raw / name / "metrics.jsonl", trunk_lines, name, rows,
+                              rec is not None)
+    m = arm_files(raw)
+    if not m:
         return "\n".join(out + ["No arm has run yet.", ""])
-    m = {a: [arm_measures(rows) for _, rows in sorted(seeds.items())]
-         for a, seeds in arms_raw.items() if seeds}
     keys = ["dq", "q", *[f"pass@{k}" for k in PASS_K], "dpass@1024", "revived_window",
             "revived_below", "stuck_dlog10q", "right_rose", "worst_drop", "worst_drop_max",
             "entropy", "du_pos",
@@ -415,9 +397,8 @@ def figure(raw: Path, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    trunk_rows = ablate.raw_rows(raw / "trunk" / "metrics.jsonl")
-    rec = json.loads((raw / "trunk" / "plateau.json").read_text())
-    runs = ablate.read_raw(raw).get("arms", {})
+    _, rec, _, trunk_rows = next(t for t in trunk_files(raw) if t[0] == "trunk")
+    runs = study.read_raw(raw, groups=("arms",)).get("arms", {})
     fig, grid = plt.subplots(2, 2, figsize=(12, 8))
     axes, zone_ax = [grid[0, 0], grid[1, 0], grid[1, 1]], grid[0, 1]
     ev = [r for r in trunk_rows if "answers_q" in r and r["step"] <= rec["step"]]
@@ -433,7 +414,8 @@ def figure(raw: Path, path: Path):
     zone_ax.legend(fontsize=8)
     axes[0].plot([r["step"] for r in ev], [r["answers_q"] for r in ev], color="k", label="trunk")
     for i, (arm, seeds) in enumerate(sorted(runs.items())):
-        curves = [arm_measures(rows)["curve"] for rows in seeds.values()]
+        curves = [study.measured(raw / "arms" / arm / f"seed{s}.jsonl", arm_measures, rows)["curve"]
+                  for s, rows in seeds.items()]
         n = min(len(c) for c in curves)
         for ax, col, offset in ((axes[0], 0, rec["step"]), (axes[1], 1, 0), (axes[2], 2, 0)):
             x = [offset + statistics.fmean(c[j][col] for c in curves) for j in range(n)]
@@ -450,6 +432,7 @@ def figure(raw: Path, path: Path):
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 def main(argv=None):
@@ -470,36 +453,44 @@ def main(argv=None):
     ap.add_argument("--cap", type=float, default=2400, help="an arm run's CPU seconds at most")
     ap.add_argument("--report", action="store_true", help="tables and figure from the raw files")
     a = ap.parse_args(argv)
+    # Every flag, folder and raw file checked before anything is made or run.
     for name in ("chunk", "max_steps", "window", "prompts", "jobs"):
         if getattr(a, name) < 1:
-            ap.error(f"--{name} {getattr(a, name)}: need >= 1")
-    ablate.finite_positive("--trunk_cap", a.trunk_cap)  # CPU seconds
-    ablate.finite_positive("--cap", a.cap)
-    if min(a.seeds) < 0:
-        ap.error(f"--seeds {a.seeds}: need seeds >= 0")
+            fail(f"--{name} {getattr(a, name)}: need >= 1")
+    if a.window < 3 * EVAL_EVERY:
+        fail(f"--window {a.window}: the plateau rule fits a line to the evaluations of the last "
+             f"--window steps, one every {EVAL_EVERY}: it needs >= {3 * EVAL_EVERY} (3 of them)")
+    study.finite_positive("--trunk_cap", a.trunk_cap)  # CPU seconds
+    study.finite_positive("--cap", a.cap)
+    study.check_seeds(a.seeds)
     out, raw = Path(a.out), Path(a.raw)
+    study.check_folder("--raw", raw, files=("report.md", "revival.png"))
     if a.report:
         if not (raw / "trunk" / "plateau.json").is_file():
-            sys.exit(f"revival_study --report: {raw / 'trunk' / 'plateau.json'} is missing: "
-                     "nothing to report (run the trunk first)")
-        ablate.writable_dir("--raw", raw, files=("report.md", "revival.png"))
-        text = report(raw)
-        write_atomic(raw / "report.md", text)
-        figure(raw, raw / "revival.png")
+            fail(f"--report: {raw / 'trunk' / 'plateau.json'} is missing: nothing to report (run "
+                 "the trunk first)")
+        text = report(raw)  # (every raw file read and measured before anything is written)
+        study.write_outputs(raw, {"report.md": study.text_writer(text),
+                                  "revival.png": lambda path: figure(raw, path)})
         print(text)
         return
-    # The folders and every raw file already there checked before any run, as the other studies.
-    ablate.writable_dir("--raw", raw, files=("report.md", "revival.png"))
-    ablate.writable_dir("--out", out)
-    ablate.read_raw(raw)
+    study.check_folder("--out", out)
+    study.read_raw(raw, groups=("arms",))
+    check_trunk_raw(raw, a.prompts)
+    run = trunk_run(out, raw, a.chunk, a.max_steps, a.prompts)
     if a.only in (None, "trunk"):
-        record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, a.window, a.prompts)
-        print(json.dumps({k: v for k, v in record.items() if k != "stuck"}), flush=True)
-        if not record:
-            return
+        run.check()
     if a.only in (None, "arms"):
-        arms(out, raw, a.seeds, a.jobs, a.cap, a.prompts)
-
+        study.pending(arm_jobs(out, raw, a.seeds, a.cap, a.prompts))
+    study.make_folders(raw, out)
+    with study.DriverLock(out):  # one driver at a time on --out
+        if a.only in (None, "trunk"):
+            record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, a.window, a.prompts)
+            print(json.dumps({k: v for k, v in record.items() if k != "stuck"}), flush=True)
+            if not record:
+                return
+        if a.only in (None, "arms"):
+            arms(out, raw, a.seeds, a.jobs, a.cap, a.prompts)
 
 if __name__ == "__main__":
     main()

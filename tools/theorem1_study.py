@@ -20,9 +20,9 @@ raw files alone: the tables (markdown, to stdout and assets/theorem1/report.md),
 the figure assets/theorem1/figure3.png (Figure 3's three panels by N, seeds shaded, above the
 free-logit simulation's). The reading: docs/results/theorem1.md.
 
-Statistics. Runs of two configs share no random draws (each seed's rollouts depend on N and B), so
-configs are compared unpaired: the exact two-sided Mann-Whitney (permutation) test on the per-seed
-values, and Welch's t for the difference of means (its p from the t distribution by integration).
+Statistics (tools/stats.py, on scipy.stats). Runs of two configs share no random draws (each
+seed's rollouts depend on N and B), so configs are compared unpaired: the exact two-sided
+Mann-Whitney (permutation) test on the per-seed values, and Welch's t for the difference of means.
 
   python -m tools.theorem1_study --out runs/theorem1                 # all three sweeps, 5 seeds
   python -m tools.theorem1_study --out runs/theorem1 --only nalone --seeds 0 1
@@ -30,14 +30,13 @@ values, and Welch's t for the difference of means (its p from the t distribution
 """
 
 import argparse
-import itertools
 import math
 import statistics
-import sys
 from pathlib import Path
 
 from lib.errors import fail
-from tools import ablate
+from tools import stats, study
+from tools.stats import mann_whitney, pearson, welch
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "theorem1"
@@ -61,73 +60,32 @@ def label(flags: list) -> str:
     return f"N={named['--n_rollouts']},B={named['--prompts_per_step']}"
 
 
-def run(sweep: str, flags: list, common: list, seed: int, steps: dict, out: Path, raw: Path,
-        cap: float) -> bool:
-    """One run, unless its raw file exists; its metrics.jsonl copied to the raw file when it
-    ends."""
-    name = label(flags)
-    target = raw / sweep / name / f"seed{seed}.jsonl"
-    if target.is_file():
-        return True
-    run_dir = out / sweep / name / f"seed{seed}"
-    n = steps[sweep]
-    argv = [*common, *flags, "--seed", str(seed), "--steps", str(n), "--eval_every", str(n // 4),
-            "--time_budget", str(cap), "--budget_clock", "cpu", "--out", str(run_dir)]
-    print(f"{sweep} {name} seed {seed}: python brorl.py {' '.join(argv)}", flush=True)
-    log = out / sweep / f"{name}-seed{seed}.log"
-    code = ablate.run_to_raw(argv, run_dir, target, log)
-    if code != 0:
-        print(f"  failed (exit {code}): {log}", flush=True)
-    return code == 0
+def jobs(sweeps: list, seeds: list, steps: dict, out: Path, raw: Path, cap: float) -> list:
+    """Every run of the sweeps, seed by seed (every config's seed 0, then seed 1, ...: a study cut
+    short is balanced); each one's metrics.jsonl copied to its raw file when it ends."""
+    out_jobs = []
+    for seed in seeds:
+        for sweep in sweeps:
+            configs, common = SWEEPS[sweep]
+            for flags in configs:
+                name, n = label(flags), steps[sweep]
+                argv = [*common, *flags, "--seed", str(seed), "--steps", str(n), "--eval_every",
+                        str(n // 4), "--time_budget", str(cap), "--budget_clock", "cpu",
+                        "--out", str(out / sweep / name / f"seed{seed}")]
+                out_jobs.append(study.Job(f"{sweep} {name} seed {seed}", argv,
+                                          out / sweep / name / f"seed{seed}",
+                                          raw / sweep / name / f"seed{seed}.jsonl",
+                                          out / sweep / f"{name}-seed{seed}.log"))
+    return out_jobs
 
 
 # ----------------------------------------------------------------------------
 # The report: from the raw files alone
 
 
-def mann_whitney(a: list, b: list) -> float:
-    """Exact two-sided Mann-Whitney p: the share of the C(n, k) relabellings whose U is at least as
-    far from its mean as the observed one (ties count a half)."""
-    pooled = a + b
-
-    def u(xs, ys):
-        return sum((x > y) + 0.5 * (x == y) for x in xs for y in ys)
-
-    centre, seen = len(a) * len(b) / 2, abs(u(a, b) - len(a) * len(b) / 2)
-    splits = list(itertools.combinations(range(len(pooled)), len(a)))
-    hits = 0
-    for idx in splits:
-        xs = [pooled[i] for i in idx]
-        ys = [pooled[i] for i in range(len(pooled)) if i not in idx]
-        hits += abs(u(xs, ys) - centre) >= seen - 1e-12
-    return hits / len(splits)
-
-
-def welch(a: list, b: list) -> tuple:
-    """Welch's t and its two-sided p (df by Welch-Satterthwaite, at least 1). The t density's tail
-    beyond |t| is integrated whole: with x = sqrt(df) tan(u) it is c sqrt(df) cos(u)^(df - 1) on
-    the finite interval [atan(|t| / sqrt(df)), pi / 2], by Simpson's rule (t_p)."""
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return float("nan"), float("nan")
-    t = (statistics.mean(a) - statistics.mean(b)) / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    return t, t_p(t, df)
-
-
-def t_p(t: float, df: float) -> float:
-    """The two-sided p of Student's t with df degrees of freedom."""
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    lo, n = math.atan(abs(t) / math.sqrt(df)), 4000  # n: Simpson's intervals (even)
-    h = (math.pi / 2 - lo) / n
-    f = lambda u: max(math.cos(u), 0.0) ** (df - 1)
-    simpson = f(lo) + f(math.pi / 2) + sum((4 if i % 2 else 2) * f(lo + i * h) for i in range(1, n))
-    return min(1.0, 2 * c * math.sqrt(df) * simpson * h / 3)
-
-
 def read(raw: Path) -> dict:
     """{sweep: {config: {seed: rows}}} from the raw files; none of this study's: one line."""
-    data = {sweep: configs for sweep, configs in ablate.read_raw(raw).items() if sweep in SWEEPS}
+    data = study.read_raw(raw, groups=SWEEPS)
     if not data:
         fail(f"--raw {raw}: no raw files of this study to report on "
              "(<raw>/<sweep>/<config>/seed<S>.jsonl); run it first")
@@ -206,19 +164,15 @@ def reach(rows: list, n: int, small_n: int = 16, large_n: int = 512) -> dict:
     return m
 
 
-def keys_measures(rows: list, n: int) -> dict:
+def keys_measures(rows: list, n: int, b: int = 0) -> dict:
+    """A keys run's measures (N = n; B is not one of them): the mean exact Q first eval -> last,
+    the gate at the end, rollouts and steps, where the prompts went (reach)."""
     evals = [r for r in rows if "mass_exact_mean" in r]
     steps = [r for r in rows if r["step"] > 0]
     return dict(q_start=evals[0]["mass_exact_mean"], q_end=evals[-1]["mass_exact_mean"],
                 dq=evals[-1]["mass_exact_mean"] - evals[0]["mass_exact_mean"],
                 gate_end=evals[-1]["mass_exact_gate"], samples=sum(r["samples"] for r in steps),
                 steps=len(steps), **reach(rows, n))
-
-
-def pearson(x: list, y: list) -> float:
-    if len(x) < 3 or statistics.pstdev(x) == 0 or statistics.pstdev(y) == 0:
-        return float("nan")
-    return statistics.correlation(x, y)
 
 
 def table(title: str, configs: dict, keys: list) -> list:
@@ -271,14 +225,23 @@ def pass_against_trained(runs: list) -> list:
     beta = np.linalg.lstsq(x, y, rcond=None)[0]  # (3,)
     resid, df = y - x @ beta, len(y) - 3  # (runs,)
     se = np.sqrt(np.diag(resid @ resid / df * np.linalg.inv(x.T @ x)))  # (3,)
-    r = statistics.correlation([dq for dq, _, _ in runs], [p for _, p, _ in runs])
+    r = pearson([dq for dq, _, _ in runs], [p for _, p, _ in runs])
     tc = beta[2] / se[2]
     return [f"pass1024 against dq over the {len(runs)} sets runs (nalone and iso): Pearson r "
             f"{r:.2f};", f"fitted pass1024 = {beta[0]:.4g} {beta[1]:+.4g} dq {beta[2]:+.4g} "
-            f"log2 N, log2 N's coefficient t {tc:.2f}, p {t_p(tc, df):.2g} ({df} df)", ""]
+            f"log2 N, log2 N's coefficient t {tc:.2f}, p {stats.t_p(tc, df):.2g} ({df} df)", ""]
+
+
+def measures(raw: Path, sweep: str, config: str, runs: dict, measure) -> dict:
+    """{seed: measure(rows, N, B)} of one config's raw files, each checked (study.measured: one
+    line for a file or a config's name that is not this study's)."""
+    return {s: study.measured(raw / sweep / config / f"seed{s}.jsonl",
+                              lambda rows: measure(rows, *n_b(config)), rows)
+            for s, rows in runs.items()}
 
 
 def report(raw: Path) -> str:
+    """The tables and tests, as markdown, from the raw files alone."""
     data = read(raw)
     lines = []
     order = lambda d: dict(sorted(d.items(), key=lambda kv: int(kv[0].split(",")[0][2:])))
@@ -286,7 +249,7 @@ def report(raw: Path) -> str:
     for sweep in ("nalone", "iso"):
         if sweep not in data:
             continue
-        configs = {c: {s: sets_measures(rows, *n_b(c)) for s, rows in runs.items()}
+        configs = {c: measures(raw, sweep, c, runs, sets_measures)
                    for c, runs in order(data[sweep]).items()}
         trained += [(m["dq"], m["pass1024"], n_b(c)[0]) for c, runs in configs.items()
                     for m in runs.values()]
@@ -311,7 +274,7 @@ def report(raw: Path) -> str:
     if len(trained) > 3:
         lines += pass_against_trained(trained)
     if "keys2x2" in data:
-        configs = {c: {s: keys_measures(rows, n_b(c)[0]) for s, rows in runs.items()}
+        configs = {c: measures(raw, "keys2x2", c, runs, keys_measures)
                    for c, runs in data["keys2x2"].items()}
         lines += table("keys2x2: mean exact Q of the 512 prompts", configs,
                        ["q_start", "q_end", "dq", "gate_end", "samples"])
@@ -321,18 +284,16 @@ def report(raw: Path) -> str:
         lines += (tests(configs, "never_dlog10_median", "N=16,B=16")
                   + tests(configs, "never_fell_decade", "N=16,B=16"))
     if "prorl" in data:
-        configs = {c: {s: keys_measures(rows, n_b(c)[0]) for s, rows in runs.items()}
+        configs = {c: measures(raw, "prorl", c, runs, keys_measures)
                    for c, runs in data["prorl"].items()}
         lines += table("prorl: ProRL's shape on keys, mean exact Q", configs,
                        ["q_start", "q_end", "gate_end", "samples", "steps"])
         lines += table("prorl: below the gate at the start, against never sampled right", configs,
                        REACH)
-    text = "\n".join(lines)
-    (raw / "report.md").write_text(text + "\n")
-    return text
+    return "\n".join(lines)
 
 
-def figure(raw: Path) -> None:
+def figure(raw: Path, path: Path) -> None:
     """Figure 3 for a transformer: Q, the share of right answers that rose, the worst drop, each by
     N at every eval (mean over seeds, the seeds' range shaded), beside the free-logit simulation's
     figure (assets/massbalance/simulation.png, tools/massbalance.py)."""
@@ -368,7 +329,7 @@ def figure(raw: Path) -> None:
                         fontsize=9)
         below.axis("off")
     fig.tight_layout()
-    fig.savefig(raw / "figure3.png", dpi=80)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -388,31 +349,29 @@ def main(argv=None):
     ap.add_argument("--report", action="store_true",
                     help="tables and figure from --raw; run nothing")
     args = ap.parse_args(argv)
-    raw = Path(args.raw)
-    # Every flag and every raw file already there checked before any run.
+    raw, out = Path(args.raw), Path(args.out)
+    # Every flag, folder and raw file checked before anything is made or run.
     steps = dict(nalone=args.steps_nalone, iso=args.steps_iso, keys2x2=args.steps_keys2x2,
                  prorl=args.steps_prorl)
     if small := [k for k in steps if steps[k] < 4 and k in args.only]:
         fail(f"--steps_{small[0]} {steps[small[0]]}: need >= 4 (an eval every quarter)")
-    ablate.finite_positive("--cap", args.cap)
-    if bad := [s for s in args.seeds if s < 0]:
-        fail(f"--seeds: {bad[0]}: need seeds >= 0")
+    study.finite_positive("--cap", args.cap)
+    study.check_seeds(args.seeds)
+    study.check_distinct("--only", args.only)
+    study.check_folder("--raw", raw, files=("report.md", "figure3.png"))
     if args.report:  # over raw files that exist, into --raw
-        read(raw)
-        ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
-        print(report(raw))
-        figure(raw)
+        text = report(raw)  # (every raw file read and measured before anything is written)
+        study.write_outputs(raw, {"report.md": study.text_writer(text + "\n"),
+                                  "figure3.png": lambda path: figure(raw, path)})
+        print(text)
         return
-    ablate.writable_dir("--raw", raw, files=("report.md", "figure3.png"))
-    ablate.writable_dir("--out", Path(args.out))
-    ablate.read_raw(raw)
-    out, failed = Path(args.out), 0
-    for seed in args.seeds:
-        for sweep in args.only:
-            configs, common = SWEEPS[sweep]
-            for flags in configs:
-                failed += not run(sweep, flags, common, seed, steps, out, raw, args.cap)
-    sys.exit(1 if failed else 0)
+    study.check_folder("--out", out)
+    study.read_raw(raw)
+    todo = jobs(args.only, args.seeds, steps, out, raw, args.cap)
+    study.pending(todo)
+    study.make_folders(raw, out)
+    with study.DriverLock(out):  # one driver at a time on --out
+        study.exit_if_failed(study.run_jobs(todo, 1))
 
 
 if __name__ == "__main__":

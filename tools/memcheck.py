@@ -6,9 +6,7 @@ one update, and prints each phase's estimate beside its measured peak.
 
 Measured: on CUDA torch.cuda.max_memory_allocated; on a CPU the peak of live tensor bytes
 (planner.measure_peak counts every tensor storage from its creation to its release), plus the
-tensors that exist before the phase (weights, AdamW state, reference policy). Those are counted
-once: measure_peak is told of them, so an op that returns a view of one (in fp32 a Linear reads
-its weight through a transposed view, aten.t) does not count its storage again.
+tensors that exist before the phase (weights, AdamW state, reference policy).
 
   python -m tools.memcheck                                 # the embedded model, default run
   python data.py rehearsal --out /tmp/rehearsal
@@ -29,15 +27,11 @@ import sampler
 from lib import distributed, planner, policy, setup
 
 
-def existing_tensors(model, ref_model, opt) -> list:
-    """The tensors that live across phases: weights, AdamW state, the reference policy."""
-    return [*model.parameters(), *(ref_model.parameters() if ref_model is not None else []),
-            *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
-
-
-def existing_bytes(tensors) -> int:
-    """Bytes of the storages under `tensors`, each storage once."""
+def existing_bytes(model, ref_model, opt) -> int:
+    """Bytes of the tensors that live across phases: weights, AdamW state, the reference policy."""
     seen, total = set(), 0
+    tensors = [*model.parameters(), *(ref_model.parameters() if ref_model is not None else []),
+               *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
     for t in tensors:
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
@@ -45,16 +39,14 @@ def existing_bytes(tensors) -> int:
     return total
 
 
-def peak(fn, device, base, existing=lambda: ()):
-    """(fn's result, peak bytes while it runs): on a CPU base + the peak of the tensors fn makes,
-    existing() being what base counts."""
+def peak(fn, device, base):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         out = fn()
         torch.cuda.synchronize()
         return out, torch.cuda.max_memory_allocated()
-    out, p = planner.measure_peak(fn, existing)
+    out, p = planner.measure_peak(fn)
     return out, p + base
 
 
@@ -79,8 +71,7 @@ def check(cfg) -> dict:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    existing = lambda: existing_tensors(model, ref, opt)
-    base = existing_bytes(existing())
+    base = existing_bytes(model, ref, opt)
     prompts = [e["prompt"] for e in rng.sample(train_set, 4 * cfg.prompts_per_step)]
     model.eval()
 
@@ -91,13 +82,12 @@ def check(cfg) -> dict:
             sampler.generate(model, tok, prompts[: cfg.eval_prompts], cfg.eval_samples, cfg.max_new_tokens, 0.6, 0.95,
                            cfg.max_rows, gen)
         return ro
-    ro, roll = peak(rollout, device, base, existing)
+    ro, roll = peak(rollout, device, base)
     batch = policy.pack_groups([ro.group(g) for g in range(cfg.prompts_per_step)], device)
     adv = torch.randn(batch["resp"].shape[0], generator=gen_cpu).to(device)
     model.train()
     del ro
-    _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device, base,
-                  existing)
+    _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device, base)
     return {"rollout": (est["rollout"], roll), "update": (est["update"], upd)}
 
 

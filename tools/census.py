@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from lib.errors import fail
+
 HIGH, LOW = 1 / 16, 1 / 2048  # the zones' bounds: N = 16's reach and N = 512's 4-draw reach
 KS = (1, 4, 16, 64, 256, 512)  # the pass@k a census reports (k <= its samples)
 
@@ -70,11 +72,6 @@ def pass_at_k(right: int, n: int, k: int) -> float:
 
 # ----------------------------------------------------------------------------
 # The census: one prompt at a time, rewritten whole after each
-
-
-def fail(msg: str):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 def read_records(path: Path, header: dict) -> list:

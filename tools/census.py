@@ -174,40 +174,53 @@ def moves(before: list, after: list) -> dict:
     return dict(table=table, fell=fell)
 
 
-def report(dirs: list) -> str:
-    censuses = []
-    for d in dirs:
-        path = Path(d) / "census.jsonl"
-        head = Path(d) / "census.json"
-        if not head.exists() or not path.exists():
-            fail(f"--report {d}: no census.json and census.jsonl there")
-        rows = read_records(path, json.loads(head.read_text()))
-        if not rows:
-            fail(f"--report {d}: its census.jsonl records no prompt")
-        censuses.append((d, rows))
+def load(folder) -> list:
+    """A census folder's records, checked against its own header; one line if it has none."""
+    path, head = Path(folder) / "census.jsonl", Path(folder) / "census.json"
+    if not head.exists() or not path.exists():
+        fail(f"{folder}: no census.json and census.jsonl there")
+    rows = read_records(path, json.loads(head.read_text()))
+    if not rows:
+        fail(f"{folder}: its census.jsonl records no prompt")
+    return rows
+
+
+def table(censuses: list) -> list:
+    """A markdown table, a row for each (name, records) of censuses."""
     lines = ["| census | prompts | samples | mean Q | high / window / low (point) | "
              "high / window / low / unresolved (95% interval) | none right | "
              + " | ".join(f"pass@{k}" for k in KS) + " | mean length | truncated |",
              "|---" * (9 + len(KS)) + "|"]
-    for d, rows in censuses:
+    for name, rows in censuses:
         s = summary(rows)
         z, iz = s["zones"], s["interval_zones"]
-        lines.append(f"| {Path(d).name} | {s['prompts']} | {s['samples']} | {s['mean_q']:.4f} | "
+        lines.append(f"| {name} | {s['prompts']} | {s['samples']} | {s['mean_q']:.4f} | "
                      f"{z['high']} / {z['window']} / {z['low']} | {iz['high']} / {iz['window']} / "
                      f"{iz['low']} / {iz['unresolved']} | {s['none_right']} | "
                      + " | ".join(f"{s['pass_at_k'][k]:.3f}" if k in s["pass_at_k"] else "-"
                                   for k in KS)
                      + f" | {s['mean_len']:.1f} | {s['truncated']:.3f} |")
+    return lines
+
+
+def moves_lines(before: tuple, after: tuple) -> list:
+    """Two (name, records) censuses of the same prompts: the zone moves and the falls."""
+    m = moves(before[1], after[1])
+    lines = [f"Zone moves by point estimate, {before[0]} -> {after[0]}:", ""]
+    lines += [f"- {a} -> {b}: {c}" for (a, b), c in sorted(m["table"].items())]
+    sig = [f for f in m["fell"] if f["p"] < 0.05]
+    lines += ["", f"Q fell on {len(m['fell'])} prompts ({len(sig)} with Fisher's exact p < "
+              "0.05)" + (":" if m["fell"] else ".")]
+    lines += [f"- prompt {f['index']}: {f['before']:.4f} -> {f['after']:.4f} (p {f['p']:.3g})"
+              for f in sorted(m["fell"], key=lambda f: f["after"] - f["before"])]
+    return lines
+
+
+def report(dirs: list) -> str:
+    censuses = [(Path(d).name, load(d)) for d in dirs]
+    lines = table(censuses)
     if len(censuses) == 2:
-        m = moves(censuses[0][1], censuses[1][1])
-        lines += ["", f"Zone moves by point estimate, {Path(censuses[0][0]).name} -> "
-                  f"{Path(censuses[1][0]).name}:", ""]
-        lines += [f"- {a} -> {b}: {c}" for (a, b), c in sorted(m["table"].items())]
-        sig = [f for f in m["fell"] if f["p"] < 0.05]
-        lines += ["", f"Q fell on {len(m['fell'])} prompts ({len(sig)} with Fisher's exact p < "
-                  "0.05)" + (":" if m["fell"] else ".")]
-        lines += [f"- prompt {f['index']}: {f['before']:.4f} -> {f['after']:.4f} (p {f['p']:.3g})"
-                  for f in sorted(m["fell"], key=lambda f: f["after"] - f["before"])]
+        lines += [""] + moves_lines(*censuses)
     return "\n".join(lines) + "\n"
 
 

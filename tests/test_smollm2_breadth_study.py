@@ -1,0 +1,111 @@
+"""The SmolLM2 breadth study (tools/smollm2_breadth_study.py): its arms' flags, its plan, its
+measures and tests against hand computations on made-up raw files, and the refusals of raw files
+that are not its own."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats as sps
+
+from tools import smollm2_breadth_study as study
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def run_rows(pass1: float, correct: list, samples=(128, 160), cpu=100.0) -> list:
+    """A run's rows: step 0's evaluation, then one row a step, the last with its evaluation."""
+    ev = lambda p, c: {"eval_pass@1": p, "eval_pass@4": min(1.0, 2 * p),
+                       "eval_greedy_pass@1": p / 2, "eval_resp_len": 20.0, "eval_correct": c}
+    rows = [dict(step=0, **ev(0.02, [0] * len(correct)), time_train_cpu=0.0)]
+    for i, n in enumerate(samples, 1):
+        rows.append(dict(step=i, samples=n, entropy=0.1 * i, time_train_cpu=cpu * i / len(samples)))
+    rows[-1].update(ev(pass1, correct))
+    return rows
+
+
+def write_raw(raw: Path, arm: str, seed: int, rows: list):
+    path = raw / "arms" / arm / f"seed{seed}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_arms_share_everything_but_n_and_b(tmp_path):
+    jobs = study.jobs(list(study.ARMS), [3], 4, tmp_path / "out", tmp_path / "raw")
+    flags = {j.name.split()[0]: dict(zip(j.argv[::2], j.argv[1::2])) for j in jobs}
+    assert flags["n64"].pop("--n_rollouts") == "64"
+    assert flags["n16b16"].pop("--prompts_per_step") == "16"
+    for arm in flags:
+        flags[arm].pop("--out")
+    assert flags["n16"] == flags["n64"] == flags["n16b16"]
+    assert flags["n16"] == {"--preset": "smollm2", "--steps": "4", "--eval_every": "4",
+                           "--seed": "3"}
+    # Seed by seed: a study cut short is balanced.
+    assert [j.name for j in study.jobs(["n16", "n64"], [0, 1], 4, tmp_path, tmp_path)] == \
+        ["n16 seed 0", "n64 seed 0", "n16 seed 1", "n64 seed 1"]
+
+
+def test_plan_counts_kept_rollouts_and_two_evaluations(tmp_path):
+    todo = study.jobs(["n16", "n64"], [0], 4, tmp_path, tmp_path)
+    hours = (4 * 64 * 1.2 + 160 + 4 * 256 * 1.2 + 160) / 3600
+    assert f"2 run(s) to do, about {hours:.1f} CPU hours" in study.plan(todo, 4)
+
+
+def test_measures_and_tests_against_hand_computation(tmp_path):
+    raw = tmp_path / "raw"
+    a = {0: 0.40, 1: 0.45, 2: 0.55}  # n64's end pass@1 by seed
+    b = {0: 0.30, 1: 0.45, 2: 0.35}  # n16's
+    # Prompt by prompt (4 prompts): n64 - n16 summed over seeds is +3, -1, 0, +2.
+    ca = {0: [2, 0, 1, 3], 1: [1, 0, 0, 0], 2: [1, 1, 0, 1]}
+    cb = {0: [1, 1, 1, 2], 1: [0, 0, 0, 0], 2: [0, 1, 0, 0]}
+    for s in a:
+        write_raw(raw, "n64", s, run_rows(a[s], ca[s], samples=(512, 256), cpu=400.0))
+        write_raw(raw, "n16", s, run_rows(b[s], cb[s]))
+    data = study.read(raw)
+    m = data["n64"][0]
+    assert (m["rollouts"], m["updates"], m["cpu_s"]) == (768, 4, 400.0)
+    assert m["entropy"] == pytest.approx(0.15) and m["pass1_start"] == 0.02
+    text = study.report(raw)
+    xa, xb = [a[s] for s in a], [b[s] for s in b]
+    d = sum(xa) / 3 - sum(xb) / 3
+    ci = sps.ttest_ind(xa, xb, equal_var=False).confidence_interval()
+    paired = sps.ttest_rel(xa, xb).pvalue
+    line = next(x for x in text.splitlines() if x.startswith("- n64 - n16"))
+    assert line.startswith(f"- n64 - n16: {d:+.4f} (Welch 95% interval {ci.low:+.4f} .. "
+                           f"{ci.high:+.4f}); paired t over 3 seeds p {paired:.3g}")
+    assert "by prompt 2 up, 1 down, 1 even, sign test p 1" in line
+    assert "| n64 | 3 | 0.02 +- 0 | 0.4667 +- 0.0764 |" in text  # mean, sd of 0.40 0.45 0.55
+
+
+def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
+    raw = tmp_path / "raw"
+    for name, rights in (("census-base", [3, 0, 40, 1]), ("census-x", [200, 0, 10])):
+        d = raw / name
+        d.mkdir(parents=True)
+        (d / "census.json").write_text(json.dumps(dict(samples=512)) + "\n")
+        (d / "census.jsonl").write_text("".join(
+            json.dumps(dict(index=i, prompt=f"p{i}", answer="1", right=r, samples=512,
+                            mean_len=10.0, truncated=0)) + "\n" for i, r in enumerate(rights)))
+    text = "\n".join(study.census_section(study.censuses(raw)))
+    assert "### census-base -> census-x, their first 3 prompts" in text
+    assert "- window -> high: 1" in text and "- high -> window: 1" in text
+    assert "- low -> low: 1" in text and "- window -> window" not in text  # no 4th prompt
+    assert "Q fell on 1 prompts" in text and "- prompt 2: 0.0781 -> 0.0195" in text
+
+
+@pytest.mark.parametrize("bad,said", [
+    ("arms/n32/seed0.jsonl", "not an arm of this study"),
+    ("arms/n16/seed0.jsonl", "not a run of this study"),
+])
+def test_foreign_raw_files_are_refused_in_one_line(tmp_path, bad, said):
+    raw = tmp_path / "raw"
+    path = raw / bad
+    path.parent.mkdir(parents=True)
+    # A whole run's rows, but without what this study measures (no evaluation at the end).
+    path.write_text(json.dumps(dict(step=0)) + "\n" + json.dumps(dict(step=1)) + "\n")
+    p = subprocess.run([sys.executable, "-m", "tools.smollm2_breadth_study", "--report", "--raw",
+                        str(raw)], cwd=HERE, capture_output=True, text=True)
+    assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (raw / "report.md").exists()

@@ -1,0 +1,234 @@
+"""
+smollm2_breadth_study.py: breadth on a real model. SmolLM2-135M-Instruct on two-digit additions
+(`--preset smollm2`: T 0.6, lr 1e-5, two mini-batches, dynamic sampling of at most two rounds),
+every run from the same pretrained start, `--steps` steps (default 4) and an evaluation at the
+first and the last, three arms on the same seeds:
+
+  n16      N = 16, B = 4    the preset (ProRL's shape on this task)
+  n64      N = 64, B = 4    breadth: 4x the rollouts a prompt at equal B, steps, lr, mini-batches
+  n16b16   N = 16, B = 16   N = 16 for as many rollouts a step as n64 (the equal-compute control)
+
+Why 64 and not 512: on this CPU a step of n16 costs about 80 CPU s and a step's cost grows with
+its rollouts; n64 costs about 4x, N = 512 about 32x (some 45 CPU min a step). The plan's estimate
+is printed before any run. Each run's metrics.jsonl, the raw result, is copied to
+<raw>/arms/<arm>/seed<S>.jsonl when it ends (tools/study.py: a killed study's rerun goes on from
+the raw files; a run cut short starts over). Runs go seed by seed, so a study cut short is
+balanced.
+
+--report reads the raw files alone and writes <raw>/report.md and <raw>/figure.png: per arm the
+held-out pass@1, pass@4 and greedy pass@1 (32 prompts x 4 samples at T 0.6, top_p 0.95), entropy,
+rollouts, optimizer updates and training CPU seconds; the arms against n16: paired t by seed
+(same start, same eval prompts and eval draws), Welch's difference with its 95% interval and the
+exact Mann-Whitney p over seeds, and a sign test over the 32 held-out prompts (right answers summed
+over seeds); then every reach census found in <raw>/census-* (tools/census.py: each prompt's Q from
+512 samples at T 1), the base's against each trained one: zones, unbiased pass@k to 512, zone
+moves and the prompts whose Q fell.
+
+  python -m tools.smollm2_breadth_study --out runs/smollm2-breadth            # 3 arms x 3 seeds
+  python -m tools.smollm2_breadth_study --out runs/smollm2-breadth --arms n16 n64 --seeds 0
+  python -m tools.smollm2_breadth_study --report                              # from the raw files
+"""
+
+import argparse
+import statistics
+from pathlib import Path
+
+from lib.errors import fail
+from tools import census, stats, study
+
+HERE = Path(__file__).resolve().parent.parent
+RAW = HERE / "assets" / "smollm2-breadth"
+ARMS = {"n16": [], "n64": ["--n_rollouts", "64"], "n16b16": ["--prompts_per_step", "16"]}
+ROLLOUTS = {"n16": 64, "n64": 256, "n16b16": 256}  # kept rollouts a step (N x B)
+# The plan's CPU costs, measured on the preset (2-core x86_64, one thread, fp32): a step's CPU s
+# per kept rollout (611-643 CPU s for 8 steps of 64), and one evaluation with start-up.
+STEP_CPU_PER_ROLLOUT, EVAL_CPU = 1.2, 80
+
+
+def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
+    return [study.Job(f"{arm} seed {s}", ["--preset", "smollm2", *ARMS[arm], "--steps", str(steps),
+                                          "--eval_every", str(steps), "--seed", str(s),
+                                          "--out", str(out / arm / f"seed{s}")],
+                      out / arm / f"seed{s}", raw / "arms" / arm / f"seed{s}.jsonl",
+                      out / arm / f"seed{s}.log")
+            for s in seeds for arm in arms]
+
+
+def plan(todo: list, steps: int) -> str:
+    """The CPU estimate of the runs still to do, by arm."""
+    per_run = {a: steps * ROLLOUTS[a] * STEP_CPU_PER_ROLLOUT + 2 * EVAL_CPU for a in ARMS}
+    cost = [per_run[j.name.split()[0]] for j in todo]
+    return (f"plan: {len(todo)} run(s) to do, about {sum(cost) / 3600:.1f} CPU hours ("
+            + ", ".join(f"{a} {per_run[a] / 60:.0f} CPU min a run" for a in ARMS) + ")")
+
+
+# ----------------------------------------------------------------------------
+# The report, from the raw files alone
+
+
+def measure(rows: list) -> dict:
+    first, last = rows[0], rows[-1]
+    steps = [r for r in rows if r["step"] > 0]
+    return dict(pass1_start=first["eval_pass@1"], pass1=last["eval_pass@1"],
+                pass4=last["eval_pass@4"], greedy=last["eval_greedy_pass@1"],
+                entropy=statistics.fmean(r["entropy"] for r in steps),
+                len_end=last["eval_resp_len"], rollouts=sum(r["samples"] for r in steps),
+                updates=2 * len(steps), cpu_s=last["time_train_cpu"],
+                correct=last["eval_correct"])
+
+
+def read(raw: Path) -> dict:
+    """{arm: {seed: measures}} of every raw file, each measured (one line if one is not a run of
+    this study)."""
+    data = study.read_raw(raw, ["arms"]).get("arms", {})
+    if unknown := sorted(set(data) - set(ARMS)):
+        fail(f"{raw / 'arms' / unknown[0]}: not an arm of this study ({', '.join(ARMS)})")
+    return {arm: {s: study.measured(raw / "arms" / arm / f"seed{s}.jsonl", measure, rows)
+                  for s, rows in sorted(runs.items())}
+            for arm, runs in sorted(data.items(), key=lambda kv: list(ARMS).index(kv[0]))}
+
+
+COLUMNS = ["pass1_start", "pass1", "pass4", "greedy", "entropy", "len_end", "rollouts", "updates",
+           "cpu_s"]
+
+
+def arm_table(data: dict) -> list:
+    lines = ["| arm | seeds | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    for arm, runs in data.items():
+        cells = []
+        for c in COLUMNS:
+            xs = [m[c] for m in runs.values()]
+            sd = f" +- {statistics.stdev(xs):.3g}" if len(xs) > 1 else ""
+            cells.append(f"{statistics.fmean(xs):.4g}{sd}")
+        lines.append(f"| {arm} | {len(runs)} | " + " | ".join(cells) + " |")
+    lines += ["", "Per seed, held-out pass@1 at the end: "
+              + "; ".join(f"{arm} " + ", ".join(f"{m['pass1']:.3f}" for m in runs.values())
+                          for arm, runs in data.items())]
+    return lines
+
+
+def tests(data: dict, base: str = "n16") -> list:
+    """Each arm's end pass@1 against base's: paired by seed, unpaired over seeds, and by prompt."""
+    lines = ["", f"Held-out pass@1 at the end, each arm against {base}:", ""]
+    for arm, runs in data.items():
+        if arm == base or base not in data:
+            continue
+        seeds = sorted(set(runs) & set(data[base]))
+        a, b = [runs[s]["pass1"] for s in seeds], [data[base][s]["pass1"] for s in seeds]
+        if len(seeds) < 2:
+            lines.append(f"- {arm}: {len(seeds)} seed(s) shared with {base}; no test")
+            continue
+        t = stats.t_test([x - y for x, y in zip(a, b)])
+        d, lo, hi = stats.welch_interval(a, b)
+        # Each held-out prompt's right answers summed over the shared seeds (4 samples a seed).
+        by_prompt = [sum(runs[s]["correct"][i] - data[base][s]["correct"][i] for s in seeds)
+                     for i in range(len(runs[seeds[0]]["correct"]))]
+        up, down = sum(x > 0 for x in by_prompt), sum(x < 0 for x in by_prompt)
+        lines.append(f"- {arm} - {base}: {d:+.4f} (Welch 95% interval {lo:+.4f} .. {hi:+.4f}); "
+                     f"paired t over {t['n']} seeds p {t['p']:.3g}; exact Mann-Whitney p "
+                     f"{stats.mann_whitney(a, b):.3g}; by prompt {up} up, {down} down, "
+                     f"{len(by_prompt) - up - down} even, sign test p "
+                     f"{stats.sign_test(by_prompt):.3g}")
+    return lines
+
+
+def censuses(raw: Path) -> list:
+    """(name, records) of every census folder in raw (census-*), the base's first."""
+    dirs = sorted((p for p in raw.glob("census-*") if (p / "census.json").is_file()),
+                  key=lambda p: (p.name != "census-base", p.name))
+    return [(d.name, census.load(d)) for d in dirs]
+
+
+def census_section(found: list) -> list:
+    """The censuses' table, then the base's records against each trained one's, over the prompts
+    both recorded (a census is recorded prompt by prompt, in the same order)."""
+    if not found:
+        return []
+    lines = ["", "## Reach censuses (tools/census.py; each prompt's Q from its samples at T 1)",
+             ""] + census.table(found)
+    if found[0][0] == "census-base":
+        for name, rows in found[1:]:
+            n = min(len(rows), len(found[0][1]))
+            lines += ["", f"### census-base -> {name}, their first {n} prompts", ""]
+            lines += census.moves_lines(("census-base", found[0][1][:n]), (name, rows[:n]))
+    return lines
+
+
+def report(raw: Path) -> str:
+    data = read(raw)
+    lines = ["# Breadth on SmolLM2-135M-Instruct: the raw files' numbers", ""]
+    if data:
+        lines += ["## The arms (held-out: 32 prompts x 4 samples at T 0.6, top_p 0.95)", ""]
+        lines += arm_table(data) + tests(data)
+    return "\n".join(lines + census_section(censuses(raw))).rstrip() + "\n"
+
+
+def figure(raw: Path, path: Path):
+    """Left: held-out pass@1 at the start and the end, each seed a line, by arm. Right: each
+    prompt's Q in the base census against a trained one's (log scale), the reach window shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for k, (arm, runs) in enumerate(read(raw).items()):
+        for s, m in runs.items():
+            ax.plot([0, 1], [m["pass1_start"], m["pass1"]], color=f"C{k}", alpha=0.7,
+                    label=arm if s == min(runs) else None)
+    ax.set(xticks=[0, 1], xticklabels=["start", "end"], ylabel="held-out pass@1 (T 0.6)",
+           title="arms, each seed a line")
+    ax.legend()
+    found = censuses(raw)
+    floor = 1 / 1024  # where a prompt with no right answer in 512 samples is drawn
+    q = lambda r: max(r["right"] / r["samples"], floor)
+    if found and found[0][0] == "census-base":
+        for k, (name, rows) in enumerate(found[1:]):
+            n = min(len(rows), len(found[0][1]))
+            bx.scatter([q(r) for r in found[0][1][:n]], [q(r) for r in rows[:n]], s=14,
+                       color=f"C{k}", label=name)
+    bx.axvspan(census.LOW, census.HIGH, color="0.9")
+    bx.axhspan(census.LOW, census.HIGH, color="0.9")
+    bx.plot([floor, 1], [floor, 1], color="0.5", lw=0.8)
+    bx.set(xscale="log", yscale="log", xlabel="Q, base (T 1; none right drawn at 1/1024)",
+           ylabel="Q, trained", title="reach census, window shaded")
+    if len(found) > 1:
+        bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.smollm2_breadth_study",
+                                 description=__doc__.strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/smollm2-breadth", help="run directories")
+    ap.add_argument("--raw", default=str(RAW), help="raw results (default: assets/smollm2-breadth)")
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="default 0 1 2")
+    ap.add_argument("--steps", type=int, default=4, help="steps a run (default 4)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
+    ap.add_argument("--report", action="store_true", help="tables and figure from --raw")
+    args = ap.parse_args(argv)
+    raw, out = Path(args.raw), Path(args.out)
+    study.check_seeds(args.seeds)
+    study.check_distinct("--arms", args.arms)
+    if args.steps < 1 or args.jobs < 1:
+        fail(f"--steps {args.steps} --jobs {args.jobs}: need both >= 1")
+    study.check_folder("--raw", raw, files=("report.md", "figure.png"))
+    if args.report:
+        text = report(raw)  # every raw file read and measured before anything is written
+        study.write_outputs(raw, {"report.md": study.text_writer(text),
+                                  "figure.png": lambda path: figure(raw, path)})
+        print(text, end="")
+        return
+    study.check_folder("--out", out)
+    read(raw)
+    todo = study.pending(jobs(args.arms, args.seeds, args.steps, out, raw))
+    print(plan(todo, args.steps), flush=True)
+    study.make_folders(raw, out)
+    with study.DriverLock(out):
+        study.exit_if_failed(study.run_jobs(todo, args.jobs))
+
+
+if __name__ == "__main__":
+    main()

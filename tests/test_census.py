@@ -16,10 +16,11 @@ HERE = Path(__file__).resolve().parent.parent
 TINY = ["--eval_prompts", "3", "--max_new_tokens", "8"]
 
 
-def run(out, *extra, samples=8, check=True):
+def run(out, *extra, samples=8, check=True, first=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     p = subprocess.run([sys.executable, "-m", "tools.census", "--out", str(out), "--samples",
-                        str(samples), "--", *TINY, *extra], cwd=HERE, env=env,
+                        str(samples), *(["--first", str(first)] if first else []), "--",
+                        *TINY, *extra], cwd=HERE, env=env,
                        capture_output=True, text=True)
     assert not check or p.returncode == 0, p.stderr[-2000:]
     return p
@@ -65,8 +66,10 @@ def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
     part.mkdir()
     (part / "census.json").write_text((whole / "census.json").read_text())
     (part / "census.jsonl").write_text(rows[0] + "\n")
-    out = run(part).stdout
-    assert "1 recorded" in out
+    # Cut to a budget of two prompts, then gone on with to the whole.
+    assert "1 recorded" in run(part, first=2).stdout
+    assert (part / "census.jsonl").read_text().splitlines() == rows[:2]
+    assert "2 recorded" in run(part).stdout
     assert (part / "census.jsonl").read_text() == (whole / "census.jsonl").read_text()
     # Each prompt's samples are its own: the second prompt alone, from its own seed, is the same.
     assert census.prompt_seed(0, 1) != census.prompt_seed(0, 2) != census.prompt_seed(1, 1)

@@ -22,6 +22,9 @@ same command continues after the last recorded prompt (another command's census 
   python -m tools.census --out runs/census-base --samples 512 -- --model smollm2-135m-instruct \
       --task math:assets/smollm2/add2.jsonl --eval_prompts 64
   python -m tools.census --report runs/census-base [runs/census-trained]   # table, zones, moves
+
+--first K stops after the first K prompts (a census cut to a budget); the same command with a
+larger K, or without it, goes on from the prompts recorded.
 """
 
 import argparse
@@ -103,7 +106,7 @@ def read_records(path: Path, header: dict) -> list:
     return rows
 
 
-def run_census(out: Path, samples: int, brorl_args: list):
+def run_census(out: Path, samples: int, brorl_args: list, first: int = None):
     import brorl
     from lib.rundir import write_atomic
     from lib.setup import setup
@@ -118,7 +121,7 @@ def run_census(out: Path, samples: int, brorl_args: list):
     print(f"census: {len(eval_set)} prompts, {samples} samples each at T = {cfg.temperature}; "
           f"{len(rows)} recorded")
     with torch.no_grad():
-        for i in range(len(rows), len(eval_set)):
+        for i in range(len(rows), min(first or len(eval_set), len(eval_set))):
             ex = eval_set[i]
             _, _, r, lengths, truncated = brorl.sample_share(
                 model.eval(), tok, [ex], samples, cfg.temperature, cfg.top_p, cfg,
@@ -233,6 +236,8 @@ def main(argv=None):
                                       "--report DIR [DIR]")
     p.add_argument("--out", help="the census folder (census.json, census.jsonl)")
     p.add_argument("--samples", type=int, default=512, help="samples per prompt (default 512)")
+    p.add_argument("--first", type=int, help="census the first K prompts only (a census cut to "
+                   "a budget; the same command with a larger K goes on from it)")
     p.add_argument("--report", nargs="+", metavar="DIR", help="tables of one census, or of two "
                    "of the same prompts with the zone moves between them")
     a = p.parse_args(ours)
@@ -245,7 +250,9 @@ def main(argv=None):
         p.error("--out is required (or --report)")
     if a.samples < 1:
         p.error(f"--samples {a.samples}: at least 1")
-    run_census(Path(a.out), a.samples, brorl_args)
+    if a.first is not None and a.first < 1:
+        p.error(f"--first {a.first}: at least 1")
+    run_census(Path(a.out), a.samples, brorl_args, a.first)
 
 
 if __name__ == "__main__":

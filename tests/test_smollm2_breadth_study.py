@@ -35,8 +35,9 @@ def write_raw(raw: Path, arm: str, seed: int, rows: list):
 def test_arms_share_everything_but_n_and_b(tmp_path):
     jobs = study.jobs(list(study.ARMS), [3], 4, tmp_path / "out", tmp_path / "raw")
     flags = {j.name.split()[0]: dict(zip(j.argv[::2], j.argv[1::2])) for j in jobs}
-    assert flags["n64"].pop("--n_rollouts") == "64"
+    assert flags["n64"].pop("--n_rollouts") == "64" and flags["n64"].pop("--micro_batch") == "64"
     assert flags["n16b16"].pop("--prompts_per_step") == "16"
+    assert flags["n16b16"].pop("--micro_batch") == "64"
     for arm in flags:
         flags[arm].pop("--out")
     assert flags["n16"] == flags["n64"] == flags["n16b16"]

@@ -38,7 +38,12 @@ from tools import census, stats, study
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "smollm2-breadth"
-ARMS = {"n16": [], "n64": ["--n_rollouts", "64"], "n16b16": ["--prompts_per_step", "16"]}
+# The 256-row arms' updates go 64 rows a forward and backward (--micro_batch: memory only, the
+# same mini-batch's gradient): whole 128-row mini-batches took 10-12 GB each, two of them more than
+# this CPU's 24 GB. The n16 arm's 32-row mini-batches fit one micro-batch of 64 as of 512.
+MICRO = ["--micro_batch", "64"]
+ARMS = {"n16": [], "n64": ["--n_rollouts", "64", *MICRO],
+        "n16b16": ["--prompts_per_step", "16", *MICRO]}
 ROLLOUTS = {"n16": 64, "n64": 256, "n16b16": 256}  # kept rollouts a step (N x B)
 # The plan's CPU costs, measured on the preset (2-core x86_64, one thread, fp32): a step's CPU s
 # per kept rollout (611-643 CPU s for 8 steps of 64), and one evaluation with start-up.

@@ -219,7 +219,8 @@ def test_early_report_from_made_up_raw_files(tmp_path):
     # One field of one row changed in the rerun: named, and the rerun's rows used.
     early[2]["answers_q"] = 0.51
     _early_raw(raw, trunk, early)
-    assert "they differ, first at step 20 in answers_q" in study.early_report(raw)
+    assert "they differ, first at step 20 in answers_q (mean exact Q at step 20: 0.5100 here, " \
+        "0.5000 there)" in study.early_report(raw)
     study.main(["--report", "--raw", str(raw)])
     assert (raw / "early" / "report.md").read_text() == study.early_report(raw) and \
         (raw / "report.md").is_file()

@@ -549,7 +549,9 @@ def trunk_match(early_rows: list, trunk_rows: list) -> str:
         a, b = clock_free(a), clock_free(b)
         if a != b:
             key = next(k for k in sorted({*a, *b}) if a.get(k) != b.get(k))
-            return (f"they differ, first at step {a.get('step')} in {key}: this report uses the "
+            return (f"they differ, first at step {a.get('step')} in {key} (mean exact Q at step "
+                    f"{last}: {early_rows[-1].get('answers_q', math.nan):.4f} here, "
+                    f"{old[-1].get('answers_q', math.nan):.4f} there): this report uses the "
                     "rerun's own rows")
     return f"identical to step {last}, clock fields aside"
 
@@ -626,7 +628,9 @@ def branch_lines(step: int, trunk_row: dict, runs: dict) -> list:
     out += ["| measure | " + " | ".join(f"{a} (seeds {' '.join(map(str, runs[a]))})"
                                         for a in arms_) + " |", "|---" * (len(arms_) + 1) + "|"]
     out += [f"| {name} | " + " | ".join(cell(a) for a in arms_) + " |" for name, cell in rows]
-    out += ["", *paired_lines({a: runs[a] for a in arms_}), ""]
+    paired = paired_lines({a: runs[a] for a in arms_})
+    out += ["", *(paired if len(paired) > 2 else ["No arm has two seeds paired with prorl's yet."]),
+            ""]
     if window:
         out += ["Each window prompt's catch step, per seed (-: not caught):", "",
                 "| prompt | log10 Q at the branch | " + " | ".join(arms_) + " |",
@@ -653,7 +657,7 @@ def early_report(raw: Path) -> str:
            "`python -m tools.revival_study --report`)", "",
            f"- the early trunk: the trunk's flags rerun to step {rows[-1]['step']} in chunks of "
            f"{EARLY_CHUNK} ({sum(c['cpu_s'] for c in chunks):.0f} CPU s); its rows against the "
-           f"committed trunk's ({raw.name}/trunk/metrics.jsonl): "
+           "trunk's raw rows (trunk/metrics.jsonl, beside early/): "
            + study.measured(folder / "metrics.jsonl", trunk_match, rows, trunk_rows),
            f"- each branch: {STEPS} steps at B = {N_PROMPTS} and the trunk's lr from the early "
            "trunk's checkpoint (its AdamW moments too), evals every 5 steps (n16-long: every "

@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+from scipy import stats as scipy_stats
 
 import brorl
 from lib import setup
@@ -122,3 +123,121 @@ def test_train_prompts_trains_on_the_eval_sets_first_prompts(capsys):
         with pytest.raises(SystemExit):
             brorl.parse_config(flags)
         assert said in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------
+# The early branches
+
+LO, HI = math.log10(1 / 2048), math.log10(1 / 16)  # the reach window's edges in log10 Q
+
+
+def _branch_rows(curves: list, steps: int = 25, n: int = 16) -> list:
+    """An early branch run's rows: a training row a step (64 n rollouts), and at every 5th step
+    (and step 0, the branch) an eval of each prompt's log10 Q, curves[i][step // 5]."""
+    rows = []
+    for step in range(steps + 1):
+        row = dict(step=step)
+        if step:
+            row.update(samples=64 * n, time_train_cpu=0.5 * step)
+        if step % 5 == 0:
+            qs = [c[step // 5] for c in curves]
+            row.update(answers_log10_q_per_prompt=qs, answers_q=sum(10 ** q for q in qs) / len(qs))
+        rows.append(row)
+    rows[0]["time_train_cpu"] = 0.0
+    return rows
+
+
+# Six prompts, log10 Q at steps 0, 5, ..., 25: four in the window at the branch (0, 1, 2, 5).
+CURVES = [[-1.5, -1.3, -1.1, -1.0, -0.9, -0.9],  # caught at step 10
+          [-2.0, -2.0, -1.9, -1.6, -1.3, -1.0],  # caught at step 25, the last eval
+          [-3.0, -3.1, -3.2, -3.3, -3.4, -3.5],  # never: ends below 1/2048, a window loss
+          [-4.0, -4.0, -4.1, -4.1, -4.2, -4.2],  # below at the branch and at the end: a loss
+          [0.0] * 6,  # high throughout
+          [-3.2, HI, -1.5, -1.5, -1.5, -1.5]]  # exactly 1/16 at step 5: caught there, then fell
+
+
+def test_catches_and_losses_by_hand():
+    """The window at the branch, each window prompt's first eval at or above 1/16 (1/16 itself
+    counts), the rollouts spent by then (64 x 16 a step), and the losses: all prompts ending below
+    1/2048, and those of them in the window at the branch."""
+    c = study.catches(_branch_rows(CURVES))
+    assert c["window"] == [0, 1, 2, 5]
+    assert c["first"] == {0: 10, 1: 25, 2: None, 5: 5}
+    assert c["caught"] == 3 and c["steps_to_catch"] == [5, 10, 25]
+    assert c["rollouts_to_catch"] == [5 * 1024, 10 * 1024, 25 * 1024]
+    assert c["losses"] == 2 and c["window_losses"] == 1
+    assert c["rollouts"] == 25 * 1024 and c["steps"] == 25 and c["cpu_s"] == 12.5
+
+
+def _write(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _early_raw(raw, trunk_rows, early_rows):
+    """A made-up study's raw files: the committed trunk and its plateau, the early trunk, and
+    from its step 20 three seeds of prorl (catching fewer) and n512."""
+    _write(raw / "trunk" / "metrics.jsonl", trunk_rows)
+    _write(raw / "trunk" / "chunks.jsonl", [dict(steps_to=450, cpu_s=9.0)])
+    zones = dict(high=1, window=4, below=1)
+    (raw / "trunk" / "plateau.json").write_text(json.dumps(dict(
+        step=450, slope_per_100=0.0, ci_low=-0.001, ci_high=0.001, evals=10, window=100,
+        answers_q=0.5, answers_q_start=0.5, zones_start=zones, zones_branch=zones, go=True,
+        stuck=[])))
+    _write(raw / "early" / "trunk" / "metrics.jsonl", early_rows)
+    _write(raw / "early" / "trunk" / "chunks.jsonl", [dict(steps_to=20, cpu_s=30.0)])
+    slow = [c[:1] + [max(q - 0.6, -9) if q < 0 else q for q in c[1:]] for c in CURVES]
+    for seed in range(3):
+        # prorl seed s: the slow curves (prompt 0 alone caught, at step 25 for seed 0)
+        prorl = [c if i != 0 or seed else c[:5] + [-1.2] for i, c in enumerate(slow)]
+        _write(raw / "early" / "step20" / "prorl" / f"seed{seed}.jsonl", _branch_rows(prorl))
+        _write(raw / "early" / "step20" / "n512" / f"seed{seed}.jsonl",
+               _branch_rows(CURVES, n=512))
+
+
+def test_early_report_from_made_up_raw_files(tmp_path):
+    """The early report by hand: the window at step 20, the catches per seed, their median steps,
+    the losses, the paired test against prorl (scipy's), and whether the rerun trunk's rows are
+    the committed trunk's, clock fields aside."""
+    branch = [c[0] for c in CURVES]
+    trunk = [dict(step=s, answers_q=0.5, answers_log10_q_per_prompt=branch, time_train_cpu=s)
+             for s in range(0, 40, 10)]
+    raw = tmp_path / "raw"
+    early = [{**r, "time_train_cpu": 2 * r["step"]} for r in trunk[:3]]
+    _early_raw(raw, trunk, early)
+    text = study.early_report(raw)
+    assert "identical to step 20, clock fields aside" in text, text
+    assert "- in the reach window (4): 0 (-1.50), 1 (-2.00), 2 (-3.00), 5 (-3.20)" in text
+    # prorl: seed 0 catches prompt 0 at step 25 (-1.2 >= log10 1/16); seeds 1, 2 catch none
+    # (-0.9 - 0.6 = -1.5 < -1.204); n512 catches 3 a seed, at steps 5, 10, 25 (median 10).
+    assert "| caught by the run's end, per seed | 1 0 0 | 3 3 3 |" in text, text
+    assert "steps; caught ones, seeds pooled) | 25 | 10 |" in text, text
+    assert "| median rollouts to a catch (caught ones, seeds pooled) | 25600 | 327680 |" in text
+    assert "| losses that were in the window at the branch, per seed | 1 1 1 | 1 1 1 |" in text
+    t = scipy_stats.ttest_1samp([2, 3, 3], 0.0)
+    assert f"| n512 | caught | 3 | +2.667 | {t.pvalue:.3g} | 0.25 |" in text, text
+    # One field of one row changed in the rerun: named, and the rerun's rows used.
+    early[2]["answers_q"] = 0.51
+    _early_raw(raw, trunk, early)
+    assert "they differ, first at step 20 in answers_q (mean exact Q at step 20: 0.5100 here, " \
+        "0.5000 there)" in study.early_report(raw)
+    study.main(["--report", "--raw", str(raw)])
+    assert (raw / "early" / "report.md").read_text() == study.early_report(raw) and \
+        (raw / "report.md").is_file()
+
+
+@pytest.mark.parametrize("flags, said", [(["--branch_steps", "30"], "--branch_steps 30: need a"),
+                                         (["--branch_steps", "460"], "--branch_steps 460: need"),
+                                         (["--branch_steps", "20", "20"], "20 twice"),
+                                         (["--prompts", "32"], "--prompts 32: the early")])
+def test_early_flags_are_checked_before_any_run(tmp_path, flags, said, capsys):
+    """A branch step off the early trunk's chunks (a multiple of 20) or past the plateau (450 in
+    the made-up record), one given twice, another trunk's prompts: one line, exit 2, nothing
+    made."""
+    raw = tmp_path / "raw"
+    _early_raw(raw, [dict(step=0)], [dict(step=0)])
+    with pytest.raises(SystemExit) as e:
+        study.main(["--only", "early", *flags, "--out", str(tmp_path / "out"), "--raw", str(raw)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

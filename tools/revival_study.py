@@ -19,6 +19,15 @@ a subprocess on one thread:
             focal     N = 16 with F-GRPO's focal weight (--focal_gamma 1)
           The arms share the trunk (one branch point); their seeds draw their own rollouts.
 
+And a third phase, run only when named (--only early): branches from the trunk before its plateau,
+where the reach window (below) was still full. The trunk's first max(--branch_steps) steps again
+(default 20 and 100), in chunks of 20, each chunk's checkpoint kept; from each branch point, seed by
+seed, prorl and n512 (the pairs), then n16-long, one run at a time. Its measures, per branch point
+and arm: the prompts in the window at the branch, each one's first eval at which its Q reached 1/16
+(a catch), the catches by the run's end and the median steps and rollouts to one, the prompts ending
+below 1/2048 (losses) and how many of them were in the window; each arm against prorl paired by
+seed (paired t, sign test) and unpaired (Welch).
+
 The plateau, defined before the trunk ran: at an eval step s >= --window, the ordinary least
 squares slope of the exact mean Q over the trunk's 64 prompts (answers_q: every answer's
 probability, lib/answers.py) against the step, over the evals in (s - --window, s], has a 95%
@@ -30,11 +39,14 @@ Raw files, committed as they land: assets/revival/trunk/metrics.jsonl (the trunk
 after each chunk), assets/revival/trunk/chunks.jsonl (each chunk's steps and CPU seconds),
 assets/revival/trunk/plateau.json (the branch point: its step, the slope and its interval, the
 window count), assets/revival/arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl, argv in its
-first row). --report reads them alone, each checked: the page's numbers (assets/revival/report.md)
-and the figure (assets/revival/revival.png). The reading: docs/results/revival.md.
+first row); the early branches': assets/revival/early/trunk/ (the rerun trunk's metrics.jsonl and
+chunks.jsonl), assets/revival/early/step<S>/<arm>/seed<N>.jsonl. --report reads them alone, each
+checked: the page's numbers (assets/revival/report.md), the figure (assets/revival/revival.png) and
+the early branches' numbers (assets/revival/early/report.md). The reading: docs/results/revival.md.
 
   python -m tools.revival_study --out runs/revival                  # trunk, then every arm
   python -m tools.revival_study --out runs/revival --only trunk     # the trunk and its plateau
+  python -m tools.revival_study --out runs/revival --only early --seeds 0 1 2  # early branches
   python -m tools.revival_study --report                            # tables and figure
 """
 
@@ -435,12 +447,239 @@ def figure(raw: Path, path: Path):
     plt.close(fig)
 
 
+# ----------------------------------------------------------------------------
+# Early branches: from the trunk before its plateau, where the reach window was still full
+
+BRANCH_STEPS = (20, 100)  # the early branch points (trunk steps)
+EARLY_CHUNK = 20  # the early trunk's chunk: every branch point is a chunk's end, its copy kept
+EARLY_PAIRS = ("prorl", "n512")  # run seed by seed first: a study cut short stays paired
+EARLY_LAST = ("n16-long",)  # the costly cost comparison, after every pair
+
+
+def early_trunk_run(out: Path, raw: Path, last: int) -> study.ChunkedRun:
+    """The trunk's first `last` steps again, chunk by chunk (the same flags: the same run), every
+    chunk's checkpoint kept: <out>/early/trunk-step<S>, the branch point of step S."""
+    folder = out / "early"
+    return study.ChunkedRun("early trunk", folder / "trunk", trunk_flags(N_PROMPTS), EARLY_CHUNK,
+                            last, raw / "early" / "trunk" / "chunks.jsonl",
+                            lambda step: folder / f"trunk-step{step}", folder / "trunk.log",
+                            keep_copies=True)
+
+
+def early_jobs(out: Path, raw: Path, seeds: list, steps: list, cap: float) -> list:
+    """Each early branch's runs: for each seed, every branch point's prorl and n512; then n16-long,
+    seed by seed. Run <out>/early/step<S>/<arm>/seed<N>, raw <raw>/early/step<S>/<arm>/seed<N>."""
+    def job(step, arm, seed):
+        run_dir = out / "early" / f"step{step}" / arm / f"seed{seed}"
+        return study.Job(f"step {step} {arm} seed {seed}",
+                         arm_argv(arm, seed, out / "early" / f"trunk-step{step}", run_dir, cap),
+                         run_dir, raw / "early" / f"step{step}" / arm / f"seed{seed}.jsonl",
+                         out / "early" / f"step{step}" / f"{arm}-seed{seed}.log")
+    return ([job(s, a, seed) for seed in seeds for s in steps for a in EARLY_PAIRS]
+            + [job(s, a, seed) for a in EARLY_LAST for seed in seeds for s in steps])
+
+
+def early(out: Path, raw: Path, seeds: list, steps: list, cap: float):
+    """The early trunk to the last branch point (resumed from its last recorded chunk), its rows
+    written to <raw>/early/trunk/metrics.jsonl; then every early branch's run, one at a time, each
+    raw file written as its run ends (a rerun skips the runs whose raw file exists)."""
+    run = early_trunk_run(out, raw, max(steps))
+    while (done := run.done()) < max(steps):
+        run.advance(done)
+    rows = run.rows(max(steps))
+    write_atomic(raw / "early" / "trunk" / "metrics.jsonl",
+                 study.raw_text(rows, trunk_flags(N_PROMPTS)))
+    print(f"early trunk step {done}: mean exact Q {rows[-1]['answers_q']:.4f}", flush=True)
+    study.exit_if_failed(study.run_jobs(early_jobs(out, raw, seeds, steps, cap), 1))
+
+
+def check_branch_steps(steps: list, raw: Path):
+    """--branch_steps: distinct chunk ends before the trunk's plateau; else one line."""
+    study.check_distinct("--branch_steps", steps)
+    plateau = raw / "trunk" / "plateau.json"
+    if not plateau.is_file():
+        fail(f"--only early: {plateau} is missing (the early branches come before the trunk's "
+             "plateau: run the trunk first)")
+    limit = study.read_json(plateau, PLATEAU_KEYS)["step"]
+    for s in steps:
+        if s < EARLY_CHUNK or s % EARLY_CHUNK or s > limit:
+            fail(f"--branch_steps {s}: need a multiple of the early trunk's chunk {EARLY_CHUNK} "
+                 f"(a kept checkpoint), from {EARLY_CHUNK} to the plateau's step {limit}")
+
+
+# The early branches' report: from the raw files alone
+
+def catches(rows: list) -> dict:
+    """One early branch run's catches and losses from its rows (step 0: the branch point,
+    evaluated): the prompts in the reach window at the branch; for each, the first eval step at
+    which its Q reached 1/16 (a catch; None if not by the run's end); the steps and rollouts to
+    each catch; the prompts ending below 1/2048 (losses), and how many were in the window."""
+    evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
+    lo, hi = (math.log10(w) for w in WINDOW)
+    q0, q1 = evals[0]["answers_log10_q_per_prompt"], evals[-1]["answers_log10_q_per_prompt"]
+    window = [i for i, q in enumerate(q0) if lo <= q < hi]
+    first = {i: next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
+             for i in window}
+    caught = sorted(s for s in first.values() if s is not None)
+    losses = [i for i, q in enumerate(q1) if q < lo]
+
+    def spent(step):  # rollouts of the training steps up to `step`
+        return sum(r["samples"] for r in rows if 0 < r["step"] <= step)
+
+    return dict(window=window, first=first, caught=len(caught), steps_to_catch=caught,
+                rollouts_to_catch=[spent(s) for s in caught], losses=len(losses),
+                window_losses=sum(i in window for i in losses), q=evals[-1]["answers_q"],
+                cpu_s=rows[-1]["time_train_cpu"], rollouts=spent(rows[-1]["step"]),
+                steps=rows[-1]["step"])
+
+
+def clock_free(row: dict) -> dict:
+    """A metrics row without its clock fields (what another run of the same flags may differ in)."""
+    return {k: v for k, v in row.items() if not k.startswith("time_") and k != "tokens_per_s"}
+
+
+def trunk_match(early_rows: list, trunk_rows: list) -> str:
+    """Whether the early trunk's rows are the committed trunk's to the same step, clock aside: a
+    sentence naming the first row and field that differ."""
+    last = early_rows[-1]["step"]
+    old = [r for r in trunk_rows if r["step"] <= last]
+    if len(old) != len(early_rows):
+        return f"they differ: {len(early_rows)} rows to step {last}, the committed trunk {len(old)}"
+    for a, b in zip(early_rows, old):
+        a, b = clock_free(a), clock_free(b)
+        if a != b:
+            key = next(k for k in sorted({*a, *b}) if a.get(k) != b.get(k))
+            return (f"they differ, first at step {a.get('step')} in {key} (mean exact Q at step "
+                    f"{last}: {early_rows[-1].get('answers_q', math.nan):.4f} here, "
+                    f"{old[-1].get('answers_q', math.nan):.4f} there): this report uses the "
+                    "rerun's own rows")
+    return f"identical to step {last}, clock fields aside"
+
+
+def early_runs(raw: Path) -> dict:
+    """{branch step: {arm: {seed: catches}}} of the early branches' raw files, each checked."""
+    out = {}
+    for group, arms_ in study.read_raw(raw / "early").items():
+        if not (group.startswith("step") and group[4:].isdigit()):
+            fail(f"{raw / 'early' / group}: not an early branch's folder (step<S>)")
+        for arm, seeds in arms_.items():
+            if arm not in ARMS:
+                fail(f"{raw / 'early' / group / arm}: not an arm of this study")
+            out.setdefault(int(group[4:]), {})[arm] = {
+                seed: study.measured(raw / "early" / group / arm / f"seed{seed}.jsonl", catches,
+                                     rows) for seed, rows in sorted(seeds.items())}
+    return out
+
+
+def paired_lines(runs: dict) -> list:
+    """Each arm against prorl, paired by seed (the same branch point and seed): per measure the
+    pairs, the mean difference, the paired t test's p, the sign test's p, and Welch's difference
+    with its 95% interval (unpaired)."""
+    out = ["| arm - prorl | measure | pairs | mean difference | paired t p | sign p | "
+           "Welch difference [95% interval] |", "|---|---|---|---|---|---|---|"]
+    for arm, seeds in runs.items():
+        both = sorted(set(seeds) & set(runs.get("prorl", {})))
+        if arm == "prorl" or len(both) < 2:
+            continue
+        for key in ("caught", "window_losses", "losses", "q"):
+            a, b = [seeds[s][key] for s in both], [runs["prorl"][s][key] for s in both]
+            t = stats.t_test([x - y for x, y in zip(a, b)])
+            d, lo, hi = stats.welch_interval(a, b)
+            out.append(f"| {arm} | {key} | {len(both)} | {t['mean']:+.4g} | {t['p']:.3g} | "
+                       f"{stats.sign_test([x - y for x, y in zip(a, b)]):.3g} | "
+                       f"{d:+.4g} [{lo:+.4g}, {hi:+.4g}] |")
+    return out
+
+
+def branch_lines(step: int, trunk_row: dict, runs: dict) -> list:
+    """One early branch point: its prompts by zone and its window, each arm's catches and losses
+    (per seed, in seed order), the paired tests, and each window prompt's catch step."""
+    q = trunk_row["answers_log10_q_per_prompt"]
+    window = [i for i, x in enumerate(q) if math.log10(WINDOW[0]) <= x < math.log10(WINDOW[1])]
+    z = zones(q)
+    off = [f"{a} seed {s}" for a, seeds in runs.items() for s, c in seeds.items()
+           if c["window"] != window]
+    out = [f"## Branch at trunk step {step}", "",
+           f"- the trunk at step {step}: mean exact Q {trunk_row['answers_q']:.4f}; prompts high "
+           f">= 1/16 / reach window / below 1/2048: {z['high']} / {z['window']} / {z['below']}",
+           f"- in the reach window ({len(window)}): " + (", ".join(
+               f"{i} ({q[i]:.2f})" for i in window) or "none") + " (prompt (log10 Q))",
+           "- runs whose own branch eval puts other prompts in the window: "
+           + (", ".join(off) or "none"), ""]
+    per_seed = lambda arm, key: " ".join(str(c[key]) for c in runs[arm].values())
+    pooled = lambda arm, key: [x for c in runs[arm].values() for x in c[key]]
+    med = lambda xs: f"{statistics.median(xs):.0f}" if xs else "-"
+    rows = [("caught by the run's end, per seed", lambda a: per_seed(a, "caught")),
+            ("median steps to a catch (the arm's own steps; caught ones, seeds pooled)",
+             lambda a: med(pooled(a, "steps_to_catch"))),
+            ("median rollouts to a catch (caught ones, seeds pooled)",
+             lambda a: med(pooled(a, "rollouts_to_catch"))),
+            ("losses: prompts ending below 1/2048, per seed", lambda a: per_seed(a, "losses")),
+            ("losses that were in the window at the branch, per seed",
+             lambda a: per_seed(a, "window_losses")),
+            ("mean exact Q at the end, mean (sd) over seeds",
+             lambda a: "{:.4f} ({:.2g})".format(*stats.mean_sd([c["q"] for c in
+                                                                 runs[a].values()]))),
+            ("training CPU s, mean over seeds",
+             lambda a: f"{statistics.fmean(c['cpu_s'] for c in runs[a].values()):.0f}"),
+            ("rollouts, steps", lambda a: "{rollouts}, {steps}".format(
+                **next(iter(runs[a].values()))))]
+    arms_ = [a for a in ARMS if a in runs]
+    out += ["| measure | " + " | ".join(f"{a} (seeds {' '.join(map(str, runs[a]))})"
+                                        for a in arms_) + " |", "|---" * (len(arms_) + 1) + "|"]
+    out += [f"| {name} | " + " | ".join(cell(a) for a in arms_) + " |" for name, cell in rows]
+    paired = paired_lines({a: runs[a] for a in arms_})
+    out += ["", *(paired if len(paired) > 2 else ["No arm has two seeds paired with prorl's yet."]),
+            ""]
+    if window:
+        out += ["Each window prompt's catch step, per seed (-: not caught):", "",
+                "| prompt | log10 Q at the branch | " + " | ".join(arms_) + " |",
+                "|---" * (len(arms_) + 2) + "|"]
+        out += [f"| {i} | {q[i]:.2f} | " + " | ".join(
+            " ".join(str(c["first"].get(i) or "-") for c in runs[a].values()) for a in arms_)
+            + " |" for i in window]
+        out.append("")
+    return out
+
+
+def early_report(raw: Path) -> str:
+    """The early branches' numbers, as markdown, from their raw files (each checked)."""
+    folder = raw / "early" / "trunk"
+    for need in ("metrics.jsonl", "chunks.jsonl"):
+        if not (folder / need).is_file():
+            fail(f"{folder / need} is missing: rerun --only early to write it")
+    rows = study.raw_rows(folder / "metrics.jsonl")
+    chunks = study.read_jsonl(folder / "chunks.jsonl", ("steps_to", "cpu_s"))
+    trunk_rows = study.raw_rows(raw / "trunk" / "metrics.jsonl")
+    runs = early_runs(raw)
+    evals = {r["step"]: r for r in rows if "answers_log10_q_per_prompt" in r}
+    out = ["# Revival study, early branches: the numbers (written by "
+           "`python -m tools.revival_study --report`)", "",
+           f"- the early trunk: the trunk's flags rerun to step {rows[-1]['step']} in chunks of "
+           f"{EARLY_CHUNK} ({sum(c['cpu_s'] for c in chunks):.0f} CPU s); its rows against the "
+           "trunk's raw rows (trunk/metrics.jsonl, beside early/): "
+           + study.measured(folder / "metrics.jsonl", trunk_match, rows, trunk_rows),
+           f"- each branch: {STEPS} steps at B = {N_PROMPTS} and the trunk's lr from the early "
+           "trunk's checkpoint (its AdamW moments too), evals every 5 steps (n16-long: every "
+           f"{ARMS['n16-long'][2]}); a catch: a prompt in the reach window at the branch whose Q "
+           "reached 1/16 at an eval", ""]
+    for step, arm_runs in sorted(runs.items()):
+        if step not in evals:
+            fail(f"{raw / 'early' / f'step{step}'}: the early trunk has no eval at step {step}")
+        out += study.measured(raw / "early" / f"step{step}", branch_lines, step, evals[step],
+                              arm_runs)
+    return "\n".join(out + ([] if runs else ["No early branch has run yet.", ""]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/revival", help="the runs' directory")
     ap.add_argument("--raw", default=str(RAW), help="the raw results' directory")
-    ap.add_argument("--only", choices=("trunk", "arms"), default=None, help="one phase")
+    ap.add_argument("--only", choices=("trunk", "arms", "early"), default=None,
+                    help="one phase (early: branches before the plateau, run only when named)")
+    ap.add_argument("--branch_steps", type=int, nargs="+", default=list(BRANCH_STEPS),
+                    help="--only early: the trunk steps it branches from")
     ap.add_argument("--prompts", type=int, default=N_PROMPTS,
                     help="the trunk's fixed set: the sets task's first n eval prompts")
     ap.add_argument("--chunk", type=int, default=50, help="trunk steps between plateau tests")
@@ -470,11 +709,31 @@ def main(argv=None):
             fail(f"--report: {raw / 'trunk' / 'plateau.json'} is missing: nothing to report (run "
                  "the trunk first)")
         text = report(raw)  # (every raw file read and measured before anything is written)
+        early_text = None
+        if (raw / "early" / "trunk").is_dir():
+            study.check_folder("--raw", raw / "early", files=("report.md",))
+            early_text = early_report(raw)
         study.write_outputs(raw, {"report.md": study.text_writer(text),
                                   "revival.png": lambda path: figure(raw, path)})
+        if early_text is not None:
+            study.write_outputs(raw / "early", {"report.md": study.text_writer(early_text)})
         print(text)
+        if early_text is not None:
+            print(early_text)
         return
     study.check_folder("--out", out)
+    if a.only == "early":
+        if a.prompts != N_PROMPTS:
+            fail(f"--prompts {a.prompts}: the early branches are the {N_PROMPTS}-prompt trunk's")
+        check_branch_steps(a.branch_steps, raw)
+        run = early_trunk_run(out, raw, max(a.branch_steps))
+        run.check()
+        study.read_raw(raw / "early")
+        study.pending(early_jobs(out, raw, a.seeds, a.branch_steps, a.cap))
+        study.make_folders(raw / "early", out / "early")
+        with study.DriverLock(out):
+            early(out, raw, a.seeds, a.branch_steps, a.cap)
+        return
     study.read_raw(raw, groups=("arms",))
     check_trunk_raw(raw, a.prompts)
     run = trunk_run(out, raw, a.chunk, a.max_steps, a.prompts)

@@ -110,3 +110,17 @@ def test_foreign_raw_files_are_refused_in_one_line(tmp_path, bad, said):
                         str(raw)], cwd=HERE, capture_output=True, text=True)
     assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (raw / "report.md").exists()
+
+
+def test_one_seed_is_compared_by_prompt_only(tmp_path):
+    """With one shared seed no test over seeds is made; the prompts' sign test still is, and n64
+    is also held against n16b16 (equal kept rollouts)."""
+    raw = tmp_path / "raw"
+    write_raw(raw, "n16", 0, run_rows(0.25, [0, 1, 2, 0]))
+    write_raw(raw, "n64", 0, run_rows(0.5, [2, 2, 2, 1]))  # 3 up, 1 even against n16
+    write_raw(raw, "n16b16", 0, run_rows(0.5, [2, 3, 2, 1]))  # 1 down, 3 even against n64
+    lines = study.report(raw).splitlines()
+    assert "- n64 - n16: +0.2500 on seed 0 alone (no test over seeds); by prompt 3 up, 0 down, " \
+        "1 even, sign test p 0.25" in lines
+    assert "- n64 - n16b16: +0.0000 on seed 0 alone (no test over seeds); by prompt 0 up, 1 down, " \
+        "3 even, sign test p 1" in lines

@@ -38,6 +38,7 @@ from tools import census, stats, study
 
 HERE = Path(__file__).resolve().parent.parent
 RAW = HERE / "assets" / "smollm2-breadth"
+PRESET = HERE / "assets" / "smollm2"  # the preset's 8-step runs
 # The 256-row arms' updates go 64 rows a forward and backward (--micro_batch: memory only, the
 # same mini-batch's gradient): whole 128-row mini-batches took 10-12 GB each, two of them more than
 # this CPU's 24 GB. The n16 arm's 32-row mini-batches fit one micro-batch of 64 as of 512.
@@ -112,29 +113,46 @@ def arm_table(data: dict) -> list:
     return lines
 
 
-def tests(data: dict, base: str = "n16") -> list:
-    """Each arm's end pass@1 against base's: paired by seed, unpaired over seeds, and by prompt."""
+def tests(data: dict, base: str = "n16", arms=None) -> list:
+    """Each arm's end pass@1 against base's: by prompt (each held-out prompt's right answers summed
+    over the shared seeds, 4 samples a seed: a sign test), and from two seeds on, paired by seed
+    and unpaired over seeds."""
     lines = ["", f"Held-out pass@1 at the end, each arm against {base}:", ""]
     for arm, runs in data.items():
-        if arm == base or base not in data:
+        seeds = sorted(set(runs) & set(data.get(base, {})))
+        if arm == base or not seeds or (arms and arm not in arms):
             continue
-        seeds = sorted(set(runs) & set(data[base]))
         a, b = [runs[s]["pass1"] for s in seeds], [data[base][s]["pass1"] for s in seeds]
-        if len(seeds) < 2:
-            lines.append(f"- {arm}: {len(seeds)} seed(s) shared with {base}; no test")
-            continue
-        t = stats.t_test([x - y for x, y in zip(a, b)])
-        d, lo, hi = stats.welch_interval(a, b)
-        # Each held-out prompt's right answers summed over the shared seeds (4 samples a seed).
         by_prompt = [sum(runs[s]["correct"][i] - data[base][s]["correct"][i] for s in seeds)
                      for i in range(len(runs[seeds[0]]["correct"]))]
         up, down = sum(x > 0 for x in by_prompt), sum(x < 0 for x in by_prompt)
+        prompts = (f"by prompt {up} up, {down} down, {len(by_prompt) - up - down} even, sign test "
+                   f"p {stats.sign_test(by_prompt):.3g}")
+        if len(seeds) < 2:
+            lines.append(f"- {arm} - {base}: {a[0] - b[0]:+.4f} on seed {seeds[0]} alone (no "
+                         f"test over seeds); {prompts}")
+            continue
+        t = stats.t_test([x - y for x, y in zip(a, b)])
+        d, lo, hi = stats.welch_interval(a, b)
         lines.append(f"- {arm} - {base}: {d:+.4f} (Welch 95% interval {lo:+.4f} .. {hi:+.4f}); "
                      f"paired t over {t['n']} seeds p {t['p']:.3g}; exact Mann-Whitney p "
-                     f"{stats.mann_whitney(a, b):.3g}; by prompt {up} up, {down} down, "
-                     f"{len(by_prompt) - up - down} even, sign test p "
-                     f"{stats.sign_test(by_prompt):.3g}")
+                     f"{stats.mann_whitney(a, b):.3g}; {prompts}")
     return lines
+
+
+def preset_lines() -> list:
+    """The preset's own 8-step runs (docs/results/smollm2.md's raw files), for the cost: n16 for
+    twice the steps."""
+    runs = {s: study.measured(PRESET / f"seed{s}.jsonl", measure, study.raw_rows(PRESET /
+                              f"seed{s}.jsonl")) for s in (0, 1, 2)
+            if (PRESET / f"seed{s}.jsonl").is_file()}
+    if not runs:
+        return []
+    return ["", "n16 for 8 steps (the preset's runs, assets/smollm2/seed<S>.jsonl): end pass@1 "
+            + ", ".join(f"{m['pass1']:.3f}" for m in runs.values()) + "; training CPU s "
+            + ", ".join(f"{m['cpu_s']:.0f}" for m in runs.values()) + "; rollouts "
+            + ", ".join(str(m["rollouts"]) for m in runs.values())
+            + f" (seeds {', '.join(map(str, runs))})"]
 
 
 def censuses(raw: Path) -> list:
@@ -164,7 +182,8 @@ def report(raw: Path) -> str:
     lines = ["# Breadth on SmolLM2-135M-Instruct: the raw files' numbers", ""]
     if data:
         lines += ["## The arms (held-out: 32 prompts x 4 samples at T 0.6, top_p 0.95)", ""]
-        lines += arm_table(data) + tests(data)
+        # n64 against n16 (breadth at equal B) and against n16b16 (at equal kept rollouts)
+        lines += arm_table(data) + tests(data) + tests(data, "n16b16", ["n64"]) + preset_lines()
     return "\n".join(lines + census_section(censuses(raw))).rstrip() + "\n"
 
 

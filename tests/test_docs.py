@@ -770,6 +770,9 @@ def report_p_values(report: str) -> list:
     """Every p-value a study's report writes: `p 0.0131`, `, 0.002 |` in its tests' tables."""
     ps = re.findall(r"\bp (\d[\d.]*(?:e-\d+)?)", report)
     ps += re.findall(r"\| -?[\d.]+, (\d[\d.]*) \| (\d[\d.]*) \|", report)  # (Welch p, MW p)
+    # (paired t p, sign p) of a paired table: | arm | measure | pairs | +difference | t p | sign p |
+    ps += re.findall(r"^\| [\w-]+ \| \w+ \| \d+ \| [+-][\d.]+ \| (\d[\d.]*) \| (\d[\d.]*) \|",
+                     report, flags=re.M)
     flat = [x for p in ps for x in (p if isinstance(p, tuple) else (p,))]
     return [float(x) for x in flat]
 
@@ -787,12 +790,14 @@ def quoted_in(value: str, written: list) -> bool:
 
 
 def test_study_pages_quote_only_what_their_report_writes():
-    """Every p-value on the Theorem 1, allocation and revival pages is one their --report
-    writes."""
-    for page, report in (("theorem1.md", "assets/theorem1/report.md"),
-                         ("allocation.md", "assets/allocation-1call/report.md"),
-                         ("revival.md", "assets/revival/report.md")):
-        written = report_p_values((ROOT / report).read_text())
+    """Every p-value on the Theorem 1, allocation, revival and SmolLM2 breadth pages is one their
+    --report writes (the SmolLM2 page quotes the revival study's early branches too)."""
+    for page, reports in (("theorem1.md", ["assets/theorem1/report.md"]),
+                          ("allocation.md", ["assets/allocation-1call/report.md"]),
+                          ("revival.md", ["assets/revival/report.md"]),
+                          ("smollm2-breadth.md", ["assets/smollm2-breadth/report.md",
+                                                  "assets/revival/early/report.md"])):
+        written = [p for r in reports for p in report_p_values((ROOT / r).read_text())]
         quoted = page_p_values((ROOT / RESULTS / page).read_text())
         assert quoted and written, page
         assert [p for p in quoted if not quoted_in(p, written)] == [], page
@@ -946,7 +951,7 @@ def test_the_breadth_page_leads_the_book():
                  "Never sampled right", "Never drawn", "Answer distributions"):
         assert f"**{term}**" in glossary, term
     for study in ("theorem1.md", "breadth-keys.md", "allocation.md", "equal-compute.md",
-                  "plateau.md", "revival.md"):
+                  "plateau.md", "revival.md", "smollm2-breadth.md"):
         assert f"]({study})" in page, study
     readme = (ROOT / "README.md").read_text().split("## Results", 1)[1].split("\n## ", 1)[0]
     assert "docs/results/breadth.md" in readme

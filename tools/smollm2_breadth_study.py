@@ -202,17 +202,17 @@ def figure(raw: Path, path: Path):
            title="arms, each seed a line")
     ax.legend()
     found = censuses(raw)
-    floor = 1 / 1024  # where a prompt with no right answer in 512 samples is drawn
+    floor = 1 / 4096  # where a prompt with no right answer is drawn: below the window
     q = lambda r: max(r["right"] / r["samples"], floor)
     if found and found[0][0] == "census-base":
         for k, (name, rows) in enumerate(found[1:]):
             n = min(len(rows), len(found[0][1]))
-            bx.scatter([q(r) for r in found[0][1][:n]], [q(r) for r in rows[:n]], s=14,
-                       color=f"C{k}", label=name)
-    bx.axvspan(census.LOW, census.HIGH, color="0.9")
-    bx.axhspan(census.LOW, census.HIGH, color="0.9")
+            bx.scatter([q(r) for r in found[0][1][:n]], [q(r) for r in rows[:n]], s=18,
+                       color=f"C{k}", label=name, zorder=3)
+    bx.axvspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
+    bx.axhspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
     bx.plot([floor, 1], [floor, 1], color="0.5", lw=0.8)
-    bx.set(xscale="log", yscale="log", xlabel="Q, base (T 1; none right drawn at 1/1024)",
+    bx.set(xscale="log", yscale="log", xlabel="Q, base (T 1; none right drawn at 1/4096)",
            ylabel="Q, trained", title="reach census, window shaded")
     if len(found) > 1:
         bx.legend(fontsize=8)

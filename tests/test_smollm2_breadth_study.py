@@ -21,7 +21,8 @@ def run_rows(pass1: float, correct: list, samples=(128, 160), cpu=100.0) -> list
                        "eval_greedy_pass@1": p / 2, "eval_resp_len": 20.0, "eval_correct": c}
     rows = [dict(step=0, **ev(0.02, [0] * len(correct)), time_train_cpu=0.0)]
     for i, n in enumerate(samples, 1):
-        rows.append(dict(step=i, samples=n, entropy=0.1 * i, time_train_cpu=cpu * i / len(samples)))
+        rows.append(dict(step=i, samples=n, entropy=0.1 * i, keep_rate=0.5,
+                         time_train_cpu=cpu * i / len(samples)))
     rows[-1].update(ev(pass1, correct))
     return rows
 
@@ -94,6 +95,8 @@ def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
     assert "- window -> high: 1" in text and "- high -> window: 1" in text
     assert "- low -> low: 1" in text and "- window -> window" not in text  # no 4th prompt
     assert "Q fell on 1 prompts" in text and "- prompt 2: 0.0781 -> 0.0195" in text
+    assert "Below 1/16 in census-x (2):\n- prompt 1 (1): 0/512 -> 0/512\n" \
+        "- prompt 2 (1): 40/512 -> 10/512" in text
 
 
 @pytest.mark.parametrize("bad,said", [
@@ -122,5 +125,5 @@ def test_one_seed_is_compared_by_prompt_only(tmp_path):
     lines = study.report(raw).splitlines()
     assert "- n64 - n16: +0.2500 on seed 0 alone (no test over seeds); by prompt 3 up, 0 down, " \
         "1 even, sign test p 0.25" in lines
-    assert "- n64 - n16b16: +0.0000 on seed 0 alone (no test over seeds); by prompt 0 up, 1 down, " \
-        "3 even, sign test p 1" in lines
+    assert "- n64 - n16b16: +0.0000 on seed 0 alone (no test over seeds); by prompt 0 up, " \
+        "1 down, 3 even, sign test p 1" in lines

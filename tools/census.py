@@ -216,6 +216,11 @@ def moves_lines(before: tuple, after: tuple) -> list:
               "0.05)" + (":" if m["fell"] else ".")]
     lines += [f"- prompt {f['index']}: {f['before']:.4f} -> {f['after']:.4f} (p {f['p']:.3g})"
               for f in sorted(m["fell"], key=lambda f: f["after"] - f["before"])]
+    left = [(a, b) for a, b in zip(before[1], after[1])
+            if zone(b["right"] / b["samples"]) != "high"]
+    lines += ["", f"Below 1/16 in {after[0]} ({len(left)})" + (":" if left else ".")]
+    lines += [f"- prompt {a['index']} ({a['answer']}): {a['right']}/{a['samples']} -> "
+              f"{b['right']}/{b['samples']}" for a, b in left]
     return lines
 
 

@@ -79,6 +79,7 @@ def measure(rows: list) -> dict:
                 pass4=last["eval_pass@4"], greedy=last["eval_greedy_pass@1"],
                 entropy=statistics.fmean(r["entropy"] for r in steps),
                 len_end=last["eval_resp_len"], rollouts=sum(r["samples"] for r in steps),
+                keep=statistics.fmean(r["keep_rate"] for r in steps),
                 updates=2 * len(steps), cpu_s=last["time_train_cpu"],
                 correct=last["eval_correct"])
 
@@ -94,8 +95,8 @@ def read(raw: Path) -> dict:
             for arm, runs in sorted(data.items(), key=lambda kv: list(ARMS).index(kv[0]))}
 
 
-COLUMNS = ["pass1_start", "pass1", "pass4", "greedy", "entropy", "len_end", "rollouts", "updates",
-           "cpu_s"]
+COLUMNS = ["pass1_start", "pass1", "pass4", "greedy", "entropy", "len_end", "keep", "rollouts",
+           "updates", "cpu_s"]
 
 
 def arm_table(data: dict) -> list:

@@ -7,6 +7,7 @@ import random
 import statistics
 
 import pytest
+import scipy.stats
 
 from tools import stats
 
@@ -135,3 +136,14 @@ def test_pearson():
         statistics.correlation([1, 2, 3, 4], [2, 4, 6, 8.5]))
     assert math.isnan(stats.pearson([1, 2], [3, 4]))
     assert math.isnan(stats.pearson([1] * 3, [1, 2, 3]))
+
+
+def test_paired_is_the_paired_t_the_sign_test_and_welch():
+    a, b = [0.40, 0.45, 0.55, 0.50], [0.30, 0.45, 0.35, 0.52]
+    c = stats.paired(a, b)
+    assert c["n"] == 4 and c["mean"] == pytest.approx(0.07)
+    assert c["p"] == pytest.approx(scipy.stats.ttest_rel(a, b).pvalue, rel=1e-12)
+    # Differences +0.10, 0, +0.20, -0.02: 2 up, 1 down, the tie dropped.
+    assert c["sign_p"] == pytest.approx(scipy.stats.binomtest(2, 3).pvalue, rel=1e-12)
+    ci = scipy.stats.ttest_ind(a, b, equal_var=False).confidence_interval()
+    assert (c["d"], c["lo"], c["hi"]) == pytest.approx((0.07, ci.low, ci.high), rel=1e-12)

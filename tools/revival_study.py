@@ -583,11 +583,9 @@ def paired_lines(runs: dict) -> list:
             continue
         for key in ("caught", "window_losses", "losses", "q"):
             a, b = [seeds[s][key] for s in both], [runs["prorl"][s][key] for s in both]
-            t = stats.t_test([x - y for x, y in zip(a, b)])
-            d, lo, hi = stats.welch_interval(a, b)
-            out.append(f"| {arm} | {key} | {len(both)} | {t['mean']:+.4g} | {t['p']:.3g} | "
-                       f"{stats.sign_test([x - y for x, y in zip(a, b)]):.3g} | "
-                       f"{d:+.4g} [{lo:+.4g}, {hi:+.4g}] |")
+            c = stats.paired(a, b)
+            out.append(f"| {arm} | {key} | {len(both)} | {c['mean']:+.4g} | {c['p']:.3g} | "
+                       f"{c['sign_p']:.3g} | {c['d']:+.4g} [{c['lo']:+.4g}, {c['hi']:+.4g}] |")
     return out
 
 

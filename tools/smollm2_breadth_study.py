@@ -133,11 +133,10 @@ def tests(data: dict, base: str = "n16", arms=None) -> list:
             lines.append(f"- {arm} - {base}: {a[0] - b[0]:+.4f} on seed {seeds[0]} alone (no "
                          f"test over seeds); {prompts}")
             continue
-        t = stats.t_test([x - y for x, y in zip(a, b)])
-        d, lo, hi = stats.welch_interval(a, b)
-        lines.append(f"- {arm} - {base}: {d:+.4f} (Welch 95% interval {lo:+.4f} .. {hi:+.4f}); "
-                     f"paired t over {t['n']} seeds p {t['p']:.3g}; exact Mann-Whitney p "
-                     f"{stats.mann_whitney(a, b):.3g}; {prompts}")
+        c = stats.paired(a, b)
+        lines.append(f"- {arm} - {base}: {c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. "
+                     f"{c['hi']:+.4f}); paired t over {c['n']} seeds p {c['p']:.3g}; exact "
+                     f"Mann-Whitney p {stats.mann_whitney(a, b):.3g}; {prompts}")
     return lines
 
 

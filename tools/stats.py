@@ -69,6 +69,14 @@ def sign_test(diffs: list) -> float:
     return float(stats.binomtest(pos, pos + neg).pvalue) if pos + neg else float("nan")
 
 
+def paired(a: list, b: list) -> dict:
+    """a against b, paired by position: the paired t test of the differences (n, mean, t, p), the
+    sign test's p (sign_p), and Welch's difference of means with its 95% interval (d, lo, hi)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    d, lo, hi = welch_interval(a, b)
+    return dict(**t_test(diffs), sign_p=sign_test(diffs), d=d, lo=lo, hi=hi)
+
+
 def t_quantile(df: float, p: float = 0.975) -> float:
     """Student's t quantile with df degrees of freedom."""
     return float(stats.t.ppf(p, df))

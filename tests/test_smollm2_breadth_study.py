@@ -67,7 +67,7 @@ def test_measures_and_tests_against_hand_computation(tmp_path):
         write_raw(raw, "n16", s, run_rows(b[s], cb[s]))
     data = study.read(raw)
     m = data["n64"][0]
-    assert (m["rollouts"], m["updates"], m["cpu_s"]) == (768, 4, 400.0)
+    assert (m["sampled"], m["updates"], m["cpu_s"]) == (768, 4, 400.0)
     assert m["entropy"] == pytest.approx(0.15) and m["pass1_start"] == 0.02
     text = study.report(raw)
     xa, xb = [a[s] for s in a], [b[s] for s in b]
@@ -75,8 +75,8 @@ def test_measures_and_tests_against_hand_computation(tmp_path):
     ci = sps.ttest_ind(xa, xb, equal_var=False).confidence_interval()
     paired = sps.ttest_rel(xa, xb).pvalue
     line = next(x for x in text.splitlines() if x.startswith("- n64 - n16"))
-    assert line.startswith(f"- n64 - n16: {d:+.4f} (Welch 95% interval {ci.low:+.4f} .. "
-                           f"{ci.high:+.4f}); paired t over 3 seeds p {paired:.3g}")
+    assert line.startswith(f"- n64 - n16, on the 3 shared seeds: {d:+.4f} (Welch 95% interval "
+                           f"{ci.low:+.4f} .. {ci.high:+.4f}); paired t p {paired:.3g}")
     assert "by prompt 2 up, 1 down, 1 even, sign test p 1" in line
     assert "| n64 | 3 | 0.02 +- 0 | 0.4667 +- 0.0764 |" in text  # mean, sd of 0.40 0.45 0.55
 

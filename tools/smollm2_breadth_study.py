@@ -17,7 +17,7 @@ balanced.
 
 --report reads the raw files alone and writes <raw>/report.md and <raw>/figure.png: per arm the
 held-out pass@1, pass@4 and greedy pass@1 (32 prompts x 4 samples at T 0.6, top_p 0.95), entropy,
-rollouts, optimizer updates and training CPU seconds; the arms against n16: paired t by seed
+rollouts sampled, optimizer updates and training CPU seconds; the arms against n16: paired t by seed
 (same start, same eval prompts and eval draws), Welch's difference with its 95% interval and the
 exact Mann-Whitney p over seeds, and a sign test over the 32 held-out prompts (right answers summed
 over seeds); then every reach census found in <raw>/census-* (tools/census.py: each prompt's Q from
@@ -41,7 +41,7 @@ RAW = HERE / "assets" / "smollm2-breadth"
 PRESET = HERE / "assets" / "smollm2"  # the preset's 8-step runs
 # The 256-row arms' updates go 64 rows a forward and backward (--micro_batch: memory only, the
 # same mini-batch's gradient): whole 128-row mini-batches took 10-12 GB each, two of them more than
-# this CPU's 24 GB. The n16 arm's 32-row mini-batches fit one micro-batch of 64 as of 512.
+# this CPU's 24 GB. The n16 arm's 32-row mini-batches are one micro-batch either way.
 MICRO = ["--micro_batch", "64"]
 ARMS = {"n16": [], "n64": ["--n_rollouts", "64", *MICRO],
         "n16b16": ["--prompts_per_step", "16", *MICRO]}
@@ -78,7 +78,7 @@ def measure(rows: list) -> dict:
     return dict(pass1_start=first["eval_pass@1"], pass1=last["eval_pass@1"],
                 pass4=last["eval_pass@4"], greedy=last["eval_greedy_pass@1"],
                 entropy=statistics.fmean(r["entropy"] for r in steps),
-                len_end=last["eval_resp_len"], rollouts=sum(r["samples"] for r in steps),
+                len_end=last["eval_resp_len"], sampled=sum(r["samples"] for r in steps),
                 keep=statistics.fmean(r["keep_rate"] for r in steps),
                 updates=2 * len(steps), cpu_s=last["time_train_cpu"],
                 correct=last["eval_correct"])
@@ -95,7 +95,8 @@ def read(raw: Path) -> dict:
             for arm, runs in sorted(data.items(), key=lambda kv: list(ARMS).index(kv[0]))}
 
 
-COLUMNS = ["pass1_start", "pass1", "pass4", "greedy", "entropy", "len_end", "keep", "rollouts",
+# sampled: rollouts generated (dropped groups too); updates: two mini-batches a step (the preset's).
+COLUMNS = ["pass1_start", "pass1", "pass4", "greedy", "entropy", "len_end", "keep", "sampled",
            "updates", "cpu_s"]
 
 
@@ -134,8 +135,8 @@ def tests(data: dict, base: str = "n16", arms=None) -> list:
                          f"test over seeds); {prompts}")
             continue
         c = stats.paired(a, b)
-        lines.append(f"- {arm} - {base}: {c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. "
-                     f"{c['hi']:+.4f}); paired t over {c['n']} seeds p {c['p']:.3g}; exact "
+        lines.append(f"- {arm} - {base}, on the {c['n']} shared seeds: {c['d']:+.4f} (Welch 95% "
+                     f"interval {c['lo']:+.4f} .. {c['hi']:+.4f}); paired t p {c['p']:.3g}; exact "
                      f"Mann-Whitney p {stats.mann_whitney(a, b):.3g}; {prompts}")
     return lines
 
@@ -150,8 +151,8 @@ def preset_lines() -> list:
         return []
     return ["", "n16 for 8 steps (the preset's runs, assets/smollm2/seed<S>.jsonl): end pass@1 "
             + ", ".join(f"{m['pass1']:.3f}" for m in runs.values()) + "; training CPU s "
-            + ", ".join(f"{m['cpu_s']:.0f}" for m in runs.values()) + "; rollouts "
-            + ", ".join(str(m["rollouts"]) for m in runs.values())
+            + ", ".join(f"{m['cpu_s']:.0f}" for m in runs.values()) + "; rollouts sampled "
+            + ", ".join(str(m["sampled"]) for m in runs.values())
             + f" (seeds {', '.join(map(str, runs))})"]
 
 

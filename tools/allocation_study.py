@@ -337,7 +337,6 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
     flags = {"adaptive": ARMS["adaptive"], "adaptive, a call per n": ARMS["adaptive"],
              "N=16-one-round": ARMS["N=16-one-round"]}
     runs = {}  # arm: its metrics rows, clock fields aside
-    is_clock = lambda k: k.startswith("time_") or k == "tokens_per_s"
     with tempfile.TemporaryDirectory() as tmp:
         for name, arm_flags in flags.items():
             allocation.sample_groups = per_n(one_call) if "per n" in name else one_call
@@ -350,7 +349,7 @@ def speed(task: str, steps: int, repeats: int = 5, seed: int = 0) -> dict:
             finally:
                 allocation.sample_groups = one_call
             trained = [r for r in rows if r["step"] > 0]
-            runs[name] = [{k: v for k, v in r.items() if not is_clock(k)} for r in rows]
+            runs[name] = [study.clock_free(r) for r in rows]
             out["step"][name] = sum(r["samples"] for r in trained) / trained[-1]["time_train_cpu"]
             out["rollout_s"][name] = statistics.mean(r["time_rollout"] for r in trained)
             out["update_s"][name] = statistics.mean(r["time_update"] for r in trained)

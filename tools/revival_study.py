@@ -96,6 +96,12 @@ def plateau_test(rows: list, window: int) -> dict:
                 plateau=lo <= 0 <= hi and -SLOPE_BOUND <= lo and hi <= SLOPE_BOUND)
 
 
+def window_prompts(log10_q: list) -> list:
+    """The prompts (indices) whose log10 Q lies in the reach window."""
+    lo, hi = (math.log10(w) for w in WINDOW)
+    return [i for i, q in enumerate(log10_q) if lo <= q < hi]
+
+
 def zones(log10_q: list) -> dict:
     """How many prompts sit above, in and below the reach window."""
     lo, hi = (math.log10(w) for w in WINDOW)
@@ -517,7 +523,7 @@ def catches(rows: list) -> dict:
     evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
     lo, hi = (math.log10(w) for w in WINDOW)
     q0, q1 = evals[0]["answers_log10_q_per_prompt"], evals[-1]["answers_log10_q_per_prompt"]
-    window = [i for i, q in enumerate(q0) if lo <= q < hi]
+    window = window_prompts(q0)
     first = {i: next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
              for i in window}
     caught = sorted(s for s in first.values() if s is not None)
@@ -533,11 +539,6 @@ def catches(rows: list) -> dict:
                 steps=rows[-1]["step"])
 
 
-def clock_free(row: dict) -> dict:
-    """A metrics row without its clock fields (what another run of the same flags may differ in)."""
-    return {k: v for k, v in row.items() if not k.startswith("time_") and k != "tokens_per_s"}
-
-
 def trunk_match(early_rows: list, trunk_rows: list) -> str:
     """Whether the early trunk's rows are the committed trunk's to the same step, clock aside: a
     sentence naming the first row and field that differ."""
@@ -546,7 +547,7 @@ def trunk_match(early_rows: list, trunk_rows: list) -> str:
     if len(old) != len(early_rows):
         return f"they differ: {len(early_rows)} rows to step {last}, the committed trunk {len(old)}"
     for a, b in zip(early_rows, old):
-        a, b = clock_free(a), clock_free(b)
+        a, b = study.clock_free(a), study.clock_free(b)
         if a != b:
             key = next(k for k in sorted({*a, *b}) if a.get(k) != b.get(k))
             return (f"they differ, first at step {a.get('step')} in {key} (mean exact Q at step "
@@ -593,7 +594,7 @@ def branch_lines(step: int, trunk_row: dict, runs: dict) -> list:
     """One early branch point: its prompts by zone and its window, each arm's catches and losses
     (per seed, in seed order), the paired tests, and each window prompt's catch step."""
     q = trunk_row["answers_log10_q_per_prompt"]
-    window = [i for i, x in enumerate(q) if math.log10(WINDOW[0]) <= x < math.log10(WINDOW[1])]
+    window = window_prompts(q)
     z = zones(q)
     off = [f"{a} seed {s}" for a, seeds in runs.items() for s, c in seeds.items()
            if c["window"] != window]

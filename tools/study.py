@@ -237,6 +237,11 @@ def read_rows(run_dir: Path) -> list:
             if line.strip()]
 
 
+def clock_free(row: dict) -> dict:
+    """A metrics row without its clock fields (what another run of the same flags may differ in)."""
+    return {k: v for k, v in row.items() if not k.startswith("time_") and k != "tokens_per_s"}
+
+
 def raw_text(rows: list, argv: list) -> str:
     """A raw file's text: a run's rows, its flags added to the first (step 0) row."""
     return "".join(json.dumps({**r, "argv": argv} if r["step"] == 0 else r) + "\n" for r in rows)

@@ -147,25 +147,31 @@ def _branch_rows(curves: list, steps: int = 25, n: int = 16) -> list:
     return rows
 
 
-# Six prompts, log10 Q at steps 0, 5, ..., 25: four in the window at the branch (0, 1, 2, 5).
+# Nine prompts, log10 Q at steps 0, 5, ..., 25: four in the window at the branch (0, 1, 2, 5).
 CURVES = [[-1.5, -1.3, -1.1, -1.0, -0.9, -0.9],  # caught at step 10
           [-2.0, -2.0, -1.9, -1.6, -1.3, -1.0],  # caught at step 25, the last eval
           [-3.0, -3.1, -3.2, -3.3, -3.4, -3.5],  # never: ends below 1/2048, a window loss
-          [-4.0, -4.0, -4.1, -4.1, -4.2, -4.2],  # below at the branch and at the end: a loss
+          [-4.0, -4.0, -4.1, -4.1, -4.2, -4.2],  # below at the branch and at the end: neither
           [0.0] * 6,  # high throughout
-          [-3.2, HI, -1.5, -1.5, -1.5, -1.5]]  # exactly 1/16 at step 5: caught there, then fell
+          [-3.2, HI, -1.5, -1.5, -1.5, -1.5],  # exactly 1/16 at step 5: caught there, then fell
+          [-3.5, -3.4, -3.3, -3.3, -3.3, LO],  # below, exactly 1/2048 at the end: a lift
+          [-0.5, -1.0, -2.0, -3.0, -3.5, -4.0],  # high at the branch, ends below: a loss
+          [-3.6, -3.0, -2.0, -1.0, -0.5, HI]]  # below, exactly 1/16 at the end: a lift, revived
 
 
 def test_catches_and_losses_by_hand():
     """The window at the branch, each window prompt's first eval at or above 1/16 (1/16 itself
-    counts), the rollouts spent by then (64 x 16 a step), and the losses: all prompts ending below
-    1/2048, and those of them in the window at the branch."""
+    counts), the rollouts spent by then (64 x 16 a step), the losses (at or above 1/2048 at the
+    branch, below at the end) and those of them in the window at the branch, the lifts (below
+    at the branch, at or above at the end, 1/2048 itself counting) and of them the revivals (at or
+    above 1/16 at the end, 1/16 itself counting); a prompt below at both ends is neither."""
     c = study.catches(_branch_rows(CURVES))
     assert c["window"] == [0, 1, 2, 5]
     assert c["first"] == {0: 10, 1: 25, 2: None, 5: 5}
     assert c["caught"] == 3 and c["steps_to_catch"] == [5, 10, 25]
     assert c["rollouts_to_catch"] == [5 * 1024, 10 * 1024, 25 * 1024]
-    assert c["losses"] == 2 and c["window_losses"] == 1
+    assert c["losses"] == 2 and c["window_losses"] == 1 and c["lifts"] == 2
+    assert c["revivals"] == 1
     assert c["rollouts"] == 25 * 1024 and c["steps"] == 25 and c["cpu_s"] == 12.5
 
 
@@ -214,6 +220,10 @@ def test_early_report_from_made_up_raw_files(tmp_path):
     assert "steps; caught ones, seeds pooled) | 25 | 10 |" in text, text
     assert "| median rollouts to a catch (caught ones, seeds pooled) | 25600 | 327680 |" in text
     assert "| losses that were in the window at the branch, per seed | 1 1 1 | 1 1 1 |" in text
+    assert "below it at the end, per seed | 2 2 2 | 2 2 2 |" in text, text  # prompts 2 and 7
+    # prorl's slow prompt 8 ends at log10 1/16 - 0.6: a lift, not a revival
+    assert "at or above it at the end, per seed | 1 1 1 | 2 2 2 |" in text, text  # prompts 6, 8
+    assert "ended at or above 1/16, per seed | 0 0 0 | 1 1 1 |" in text, text  # prompt 8
     t = scipy_stats.ttest_1samp([2, 3, 3], 0.0)
     assert f"| n512 | caught | 3 | +2.667 | {t.pvalue:.3g} | 0.25 |" in text, text
     # One field of one row changed in the rerun: named, and the rerun's rows used.

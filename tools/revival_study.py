@@ -24,9 +24,10 @@ where the reach window (below) was still full. The trunk's first max(--branch_st
 (default 20 and 100), in chunks of 20, each chunk's checkpoint kept; from each branch point, seed by
 seed, prorl and n512 (the pairs), then n16-long, one run at a time. Its measures, per branch point
 and arm: the prompts in the window at the branch, each one's first eval at which its Q reached 1/16
-(a catch), the catches by the run's end and the median steps and rollouts to one, the prompts ending
-below 1/2048 (losses) and how many of them were in the window; each arm against prorl paired by
-seed (paired t, sign test) and unpaired (Welch).
+(a catch), the catches by the run's end and the median steps and rollouts to one, the prompts that
+fell below 1/2048 (losses, and how many of them were in the window) and those below it at the branch
+that rose above it (lifts, and of them those that reached 1/16: revivals); each arm against prorl
+paired by seed (paired t, sign test) and unpaired (Welch).
 
 The plateau, defined before the trunk ran: at an eval step s >= --window, the ordinary least
 squares slope of the exact mean Q over the trunk's 64 prompts (answers_q: every answer's
@@ -519,7 +520,10 @@ def catches(rows: list) -> dict:
     """One early branch run's catches and losses from its rows (step 0: the branch point,
     evaluated): the prompts in the reach window at the branch; for each, the first eval step at
     which its Q reached 1/16 (a catch; None if not by the run's end); the steps and rollouts to
-    each catch; the prompts ending below 1/2048 (losses), and how many were in the window."""
+    each catch; the losses (prompts at or above 1/2048 at the branch, below it at the end) and how
+    many of them were in the window; the lifts (below 1/2048 at the branch, at or above it at the
+    end) and of them the revivals (at or above 1/16 at the end), each counted apart so that a
+    prompt below at both ends is neither."""
     evals = [r for r in rows if "answers_log10_q_per_prompt" in r]
     lo, hi = (math.log10(w) for w in WINDOW)
     q0, q1 = evals[0]["answers_log10_q_per_prompt"], evals[-1]["answers_log10_q_per_prompt"]
@@ -527,14 +531,17 @@ def catches(rows: list) -> dict:
     first = {i: next((r["step"] for r in evals if r["answers_log10_q_per_prompt"][i] >= hi), None)
              for i in window}
     caught = sorted(s for s in first.values() if s is not None)
-    losses = [i for i, q in enumerate(q1) if q < lo]
+    losses = [i for i, (a, b) in enumerate(zip(q0, q1)) if a >= lo > b]
+    lifts = [b for a, b in zip(q0, q1) if a < lo <= b]
 
     def spent(step):  # rollouts of the training steps up to `step`
         return sum(r["samples"] for r in rows if 0 < r["step"] <= step)
 
     return dict(window=window, first=first, caught=len(caught), steps_to_catch=caught,
                 rollouts_to_catch=[spent(s) for s in caught], losses=len(losses),
-                window_losses=sum(i in window for i in losses), q=evals[-1]["answers_q"],
+                window_losses=sum(i in window for i in losses), lifts=len(lifts),
+                revivals=sum(b >= hi for b in lifts),
+                q=evals[-1]["answers_q"],
                 cpu_s=rows[-1]["time_train_cpu"], rollouts=spent(rows[-1]["step"]),
                 steps=rows[-1]["step"])
 
@@ -578,15 +585,21 @@ def paired_lines(runs: dict) -> list:
     with its 95% interval (unpaired)."""
     out = ["| arm - prorl | measure | pairs | mean difference | paired t p | sign p | "
            "Welch difference [95% interval] |", "|---|---|---|---|---|---|---|"]
+    flat = False
     for arm, seeds in runs.items():
         both = sorted(set(seeds) & set(runs.get("prorl", {})))
         if arm == "prorl" or len(both) < 2:
             continue
-        for key in ("caught", "window_losses", "losses", "q"):
+        for key in ("caught", "losses", "window_losses", "lifts", "revivals", "q"):
             a, b = [seeds[s][key] for s in both], [runs["prorl"][s][key] for s in both]
             c = stats.paired(a, b)
             out.append(f"| {arm} | {key} | {len(both)} | {c['mean']:+.4g} | {c['p']:.3g} | "
                        f"{c['sign_p']:.3g} | {c['d']:+.4g} [{c['lo']:+.4g}, {c['hi']:+.4g}] |")
+            flat = flat or math.isnan(c["p"])
+    if flat:
+        out += ["", "A paired t p of nan: the difference is the same on every seed (no spread to "
+                "test); a sign p of nan: it is 0 on every seed; a Welch interval of zero width: "
+                "neither arm varied across seeds."]
     return out
 
 
@@ -613,9 +626,14 @@ def branch_lines(step: int, trunk_row: dict, runs: dict) -> list:
              lambda a: med(pooled(a, "steps_to_catch"))),
             ("median rollouts to a catch (caught ones, seeds pooled)",
              lambda a: med(pooled(a, "rollouts_to_catch"))),
-            ("losses: prompts ending below 1/2048, per seed", lambda a: per_seed(a, "losses")),
+            ("losses: prompts at or above 1/2048 at the branch, below it at the end, per seed",
+             lambda a: per_seed(a, "losses")),
             ("losses that were in the window at the branch, per seed",
              lambda a: per_seed(a, "window_losses")),
+            ("lifts: prompts below 1/2048 at the branch, at or above it at the end, per seed",
+             lambda a: per_seed(a, "lifts")),
+            ("revivals: lifts that ended at or above 1/16, per seed",
+             lambda a: per_seed(a, "revivals")),
             ("mean exact Q at the end, mean (sd) over seeds",
              lambda a: "{:.4f} ({:.2g})".format(*stats.mean_sd([c["q"] for c in
                                                                  runs[a].values()]))),

@@ -53,6 +53,22 @@ def test_plan_counts_kept_rollouts_and_two_evaluations(tmp_path):
     todo = study.jobs(["n16", "n64"], [0], 4, tmp_path, tmp_path)
     hours = (4 * 64 * 1.2 + 160 + 4 * 256 * 1.2 + 160) / 3600
     assert f"2 run(s) to do, about {hours:.1f} CPU hours" in study.plan(todo, 4)
+    assert study.plan(todo, 4, 6, 20).endswith(
+        f"then at most 6 end census(es) of 20 prompts, about {6 * 20 * 90 / 3600:.1f} CPU hours")
+
+
+def test_end_censuses_need_a_finished_run_and_skip_a_full_census(tmp_path):
+    """A run whose raw file landed but whose checkpoint is gone: a line naming it, no census; a
+    census already holding K prompts, or a run not finished: nothing to do."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    for arm in ("n16", "n64"):
+        (raw / "arms" / arm).mkdir(parents=True)
+        (raw / "arms" / arm / "seed0.jsonl").write_text("{}\n")
+    (raw / "census-arm-n64-s0").mkdir()
+    (raw / "census-arm-n64-s0" / "census.jsonl").write_text("{}\n{}\n")
+    failed = study.end_censuses(["n16", "n64", "n16b16"], [0, 1], 2, out, raw, 2)
+    assert failed == [f"census of n16 seed 0: {out / 'n16' / 'seed0' / 'ckpt'} has no model "
+                      "(rerun the arm into --out)"]
 
 
 def test_measures_and_tests_against_hand_computation(tmp_path):
@@ -81,15 +97,20 @@ def test_measures_and_tests_against_hand_computation(tmp_path):
     assert "| n64 | 3 | 0.02 +- 0 | 0.4667 +- 0.0764 |" in text  # mean, sd of 0.40 0.45 0.55
 
 
-def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
-    raw = tmp_path / "raw"
-    for name, rights in (("census-base", [3, 0, 40, 1]), ("census-x", [200, 0, 10])):
+def _censuses(raw, named: dict):
+    """Made-up census folders of 512 samples a prompt: {name: each prompt's right count}."""
+    for name, rights in named.items():
         d = raw / name
         d.mkdir(parents=True)
         (d / "census.json").write_text(json.dumps(dict(samples=512)) + "\n")
         (d / "census.jsonl").write_text("".join(
             json.dumps(dict(index=i, prompt=f"p{i}", answer="1", right=r, samples=512,
                             mean_len=10.0, truncated=0)) + "\n" for i, r in enumerate(rights)))
+
+
+def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
+    raw = tmp_path / "raw"
+    _censuses(raw, {"census-base": [3, 0, 40, 1], "census-x": [200, 0, 10]})
     text = "\n".join(study.census_section(study.censuses(raw)))
     assert "### census-base -> census-x, their first 3 prompts" in text
     assert "- window -> high: 1" in text and "- high -> window: 1" in text
@@ -97,6 +118,21 @@ def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
     assert "Q fell on 1 prompts" in text and "- prompt 2: 0.0781 -> 0.0195" in text
     assert "Below 1/16 in census-x (2):\n- prompt 1 (1): 0/512 -> 0/512\n" \
         "- prompt 2 (1): 40/512 -> 10/512" in text
+
+
+def test_arm_ends_census_against_n16s_of_the_same_seed(tmp_path):
+    """An arm's end census against n16's of its seed, over the prompts both recorded: Q higher,
+    lower, equal per prompt and the sign test (scipy's binomial); an arm with no n16 census of its
+    seed is not compared."""
+    raw = tmp_path / "raw"
+    _censuses(raw, {"census-arm-n16-s0": [3, 0, 40, 1, 7, 9],
+                    "census-arm-n64-s0": [9, 0, 50, 2, 8, 1, 5],
+                    "census-arm-n64-s1": [1, 1, 1]})
+    text = "\n".join(study.census_section(study.censuses(raw)))
+    assert "### census-arm-n16-s0 -> census-arm-n64-s0, their first 6 prompts" in text
+    p = sps.binomtest(4, 5).pvalue
+    assert f"Q higher on 4 prompts, lower on 1, equal on 1 (sign test p {p:.3g})." in text, text
+    assert "- prompt 5: 0.0176 -> 0.0020" in text and "census-arm-n64-s1," not in text
 
 
 @pytest.mark.parametrize("bad,said", [

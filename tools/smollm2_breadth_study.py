@@ -13,7 +13,9 @@ its rollouts; n64 costs about 4x, N = 512 about 32x (some 45 CPU min a step). Th
 is printed before any run. Each run's metrics.jsonl, the raw result, is copied to
 <raw>/arms/<arm>/seed<S>.jsonl when it ends (tools/study.py: a killed study's rerun goes on from
 the raw files; a run cut short starts over). Runs go seed by seed, so a study cut short is
-balanced.
+balanced. With --census K, each finished run's end is then censused on the first K held-out
+prompts (tools/census.py, the base census's flags, 512 samples at T 1), into
+<raw>/census-arm-<arm>-s<S>: unbiased pass@k to 512 for each arm's end.
 
 --report reads the raw files alone and writes <raw>/report.md and <raw>/figure.png: per arm the
 held-out pass@1, pass@4 and greedy pass@1 (32 prompts x 4 samples at T 0.6, top_p 0.95), entropy,
@@ -22,14 +24,16 @@ rollouts sampled, optimizer updates and training CPU seconds; the arms against n
 exact Mann-Whitney p over seeds, and a sign test over the 32 held-out prompts (right answers summed
 over seeds); then every reach census found in <raw>/census-* (tools/census.py: each prompt's Q from
 512 samples at T 1), the base's against each trained one: zones, unbiased pass@k to 512, zone
-moves and the prompts whose Q fell.
+moves and the prompts whose Q fell; each arm's end census against n16's of the same seed.
 
   python -m tools.smollm2_breadth_study --out runs/smollm2-breadth            # 3 arms x 3 seeds
   python -m tools.smollm2_breadth_study --out runs/smollm2-breadth --arms n16 n64 --seeds 0
+  python -m tools.smollm2_breadth_study --out runs/smollm2-breadth --census 12  # + end censuses
   python -m tools.smollm2_breadth_study --report                              # from the raw files
 """
 
 import argparse
+import re
 import statistics
 from pathlib import Path
 
@@ -49,6 +53,8 @@ ROLLOUTS = {"n16": 64, "n64": 256, "n16b16": 256}  # kept rollouts a step (N x B
 # The plan's CPU costs, measured on the preset (2-core x86_64, one thread, fp32): a step's CPU s
 # per kept rollout (611-643 CPU s for 8 steps of 64), and one evaluation with start-up.
 STEP_CPU_PER_ROLLOUT, EVAL_CPU = 1.2, 80
+CENSUS_CPU = 90  # a trained model's census, CPU s a prompt (512 samples; the base's ~150)
+CENSUS_FLAGS = ["--preset", "smollm2", "--temperature", "1", "--eval_prompts", "64"]  # the base's
 
 
 def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
@@ -60,12 +66,45 @@ def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
             for s in seeds for arm in arms]
 
 
-def plan(todo: list, steps: int) -> str:
-    """The CPU estimate of the runs still to do, by arm."""
+def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path, parallel: int) -> list:
+    """A reach census of each finished run's end checkpoint (tools/census.py, the base census's
+    flags), seed by seed, `parallel` at a time; a census cut short goes on where it stopped.
+    Returns the lines of those that failed."""
+    import concurrent.futures
+    import subprocess
+    import sys
+    recorded = lambda f: len(f.read_text().splitlines()) if f.is_file() else 0
+    todo = [(arm, s) for s in seeds for arm in arms
+            if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()
+            and recorded(raw / f"census-arm-{arm}-s{s}" / "census.jsonl") < first]
+
+    def one(arm_seed) -> str:
+        arm, s = arm_seed
+        ckpt, folder = out / arm / f"seed{s}" / "ckpt", raw / f"census-arm-{arm}-s{s}"
+        if not (ckpt / "model.safetensors").is_file():
+            return f"census of {arm} seed {s}: {ckpt} has no model (rerun the arm into --out)"
+        argv = [sys.executable, "-m", "tools.census", "--out", str(folder), "--samples", "512",
+                "--first", str(first), "--", *CENSUS_FLAGS, "--model", str(ckpt)]
+        print(f"census of {arm} seed {s}: {' '.join(argv[1:])}", flush=True)
+        with open(out / arm / f"seed{s}-census.log", "a") as log:
+            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+        print(f"census of {arm} seed {s}: " + ("done" if code == 0 else f"failed (exit {code})"),
+              flush=True)
+        return "" if code == 0 else f"census of {arm} seed {s} (exit {code}, {log.name})"
+
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        return [line for line in pool.map(one, todo) if line]
+
+
+def plan(todo: list, steps: int, censuses: int = 0, first: int = 0) -> str:
+    """The CPU estimate of the runs still to do, by arm, and of the end censuses (at most one a
+    run, `first` prompts each; those already recorded are not subtracted)."""
     per_run = {a: steps * ROLLOUTS[a] * STEP_CPU_PER_ROLLOUT + 2 * EVAL_CPU for a in ARMS}
     cost = [per_run[j.name.split()[0]] for j in todo]
     return (f"plan: {len(todo)} run(s) to do, about {sum(cost) / 3600:.1f} CPU hours ("
-            + ", ".join(f"{a} {per_run[a] / 60:.0f} CPU min a run" for a in ARMS) + ")")
+            + ", ".join(f"{a} {per_run[a] / 60:.0f} CPU min a run" for a in ARMS) + ")"
+            + (f"; then at most {censuses} end census(es) of {first} prompts, about "
+               f"{censuses * first * CENSUS_CPU / 3600:.1f} CPU hours" if censuses else ""))
 
 
 # ----------------------------------------------------------------------------
@@ -165,7 +204,8 @@ def censuses(raw: Path) -> list:
 
 def census_section(found: list) -> list:
     """The censuses' table, then the base's records against each trained one's, over the prompts
-    both recorded (a census is recorded prompt by prompt, in the same order)."""
+    both recorded (a census is recorded prompt by prompt, in the same order), then each arm's end
+    against n16's."""
     if not found:
         return []
     lines = ["", "## Reach censuses (tools/census.py; each prompt's Q from its samples at T 1)",
@@ -175,6 +215,27 @@ def census_section(found: list) -> list:
             n = min(len(rows), len(found[0][1]))
             lines += ["", f"### census-base -> {name}, their first {n} prompts", ""]
             lines += census.moves_lines(("census-base", found[0][1][:n]), (name, rows[:n]))
+    return lines + arm_census_lines(found)
+
+
+def arm_census_lines(found: list) -> list:
+    """Each arm's end census (census-arm-<arm>-s<seed>) against n16's of the same seed, over the
+    prompts both recorded: each prompt's Q higher or lower (a sign test over prompts), then the
+    zone moves and the prompts whose Q fell."""
+    by_name, lines = dict(found), []
+    for name, rows in found:
+        m = re.fullmatch(r"census-arm-(\w+)-s(\d+)", name)
+        base = f"census-arm-n16-s{m[2]}" if m else None
+        if not m or m[1] == "n16" or base not in by_name:
+            continue
+        n = min(len(rows), len(by_name[base]))
+        diffs = [r["right"] / r["samples"] - b["right"] / b["samples"]
+                 for b, r in zip(by_name[base][:n], rows[:n])]
+        up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+        lines += ["", f"### {base} -> {name}, their first {n} prompts (the same seed's ends)", "",
+                  f"Q higher on {up} prompts, lower on {down}, equal on {n - up - down} (sign test "
+                  f"p {stats.sign_test(diffs):.3g}).", ""]
+        lines += census.moves_lines((base, by_name[base][:n]), (name, rows[:n]))
     return lines
 
 
@@ -189,12 +250,13 @@ def report(raw: Path) -> str:
 
 
 def figure(raw: Path, path: Path):
-    """Left: held-out pass@1 at the start and the end, each seed a line, by arm. Right: each
-    prompt's Q in the base census against a trained one's (log scale), the reach window shaded."""
+    """Left: held-out pass@1 at the start and the end, each seed a line, by arm. Middle: each
+    census's unbiased pass@k against k. Right: each prompt's Q in the base census against a
+    trained one's (log scale), the reach window shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(16, 4.2))
     for k, (arm, runs) in enumerate(read(raw).items()):
         for s, m in runs.items():
             ax.plot([0, 1], [m["pass1_start"], m["pass1"]], color=f"C{k}", alpha=0.7,
@@ -203,13 +265,20 @@ def figure(raw: Path, path: Path):
            title="arms, each seed a line")
     ax.legend()
     found = censuses(raw)
+    for k, (name, rows) in enumerate(found):
+        at = census.summary(rows)["pass_at_k"]
+        cx.plot(sorted(at), [at[j] for j in sorted(at)], marker="o", ms=3, color=f"C{k}",
+                label=f"{name} ({len(rows)} prompts)")
+    cx.set(xscale="log", xlabel="k", ylabel="unbiased pass@k (T 1)", title="censuses: pass@k")
+    if found:
+        cx.legend(fontsize=7)
     floor = 1 / 4096  # where a prompt with no right answer is drawn: below the window
     q = lambda r: max(r["right"] / r["samples"], floor)
     if found and found[0][0] == "census-base":
         for k, (name, rows) in enumerate(found[1:]):
             n = min(len(rows), len(found[0][1]))
             bx.scatter([q(r) for r in found[0][1][:n]], [q(r) for r in rows[:n]], s=18,
-                       color=f"C{k}", label=name, zorder=3)
+                       color=f"C{k + 1}", label=name, zorder=3)
     bx.axvspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
     bx.axhspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
     bx.plot([floor, 1], [floor, 1], color="0.5", lw=0.8)
@@ -232,13 +301,15 @@ def main(argv=None):
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="default 0 1 2")
     ap.add_argument("--steps", type=int, default=4, help="steps a run (default 4)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
+    ap.add_argument("--census", type=int, metavar="K", help="then census each run's end on the "
+                    "first K held-out prompts (512 samples at T 1; <raw>/census-arm-<arm>-s<S>)")
     ap.add_argument("--report", action="store_true", help="tables and figure from --raw")
     args = ap.parse_args(argv)
     raw, out = Path(args.raw), Path(args.out)
     study.check_seeds(args.seeds)
     study.check_distinct("--arms", args.arms)
-    if args.steps < 1 or args.jobs < 1:
-        fail(f"--steps {args.steps} --jobs {args.jobs}: need both >= 1")
+    if args.steps < 1 or args.jobs < 1 or (args.census is not None and args.census < 1):
+        fail(f"--steps {args.steps} --jobs {args.jobs} --census {args.census}: need each >= 1")
     study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if args.report:
         text = report(raw)  # every raw file read and measured before anything is written
@@ -249,10 +320,14 @@ def main(argv=None):
     study.check_folder("--out", out)
     read(raw)
     todo = study.pending(jobs(args.arms, args.seeds, args.steps, out, raw))
-    print(plan(todo, args.steps), flush=True)
+    print(plan(todo, args.steps, args.census and len(args.arms) * len(args.seeds),
+               args.census or 0), flush=True)
     study.make_folders(raw, out)
     with study.DriverLock(out):
         study.exit_if_failed(study.run_jobs(todo, args.jobs))
+        if args.census:
+            study.exit_if_failed(end_censuses(args.arms, args.seeds, args.census, out, raw,
+                                              args.jobs))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def _censuses(raw, named: dict):
 def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
     raw = tmp_path / "raw"
     _censuses(raw, {"census-base": [3, 0, 40, 1], "census-x": [200, 0, 10]})
-    text = "\n".join(study.census_section(study.censuses(raw)))
+    text = "\n".join(study.census_section(*study.censuses(raw)))
     assert "### census-base -> census-x, their first 3 prompts" in text
     assert "- window -> high: 1" in text and "- high -> window: 1" in text
     assert "- low -> low: 1" in text and "- window -> window" not in text  # no 4th prompt
@@ -120,19 +120,30 @@ def test_censuses_pair_over_the_prompts_both_recorded(tmp_path):
         "- prompt 2 (1): 40/512 -> 10/512" in text
 
 
-def test_arm_ends_census_against_n16s_of_the_same_seed(tmp_path):
-    """An arm's end census against n16's of its seed, over the prompts both recorded: Q higher,
-    lower, equal per prompt and the sign test (scipy's binomial); an arm with no n16 census of its
-    seed is not compared."""
+def test_arm_ends_censused_per_seed_and_against_n16s(tmp_path):
+    """The arms' end censuses over the prompts every census shares, by hand: per seed pass@1, the
+    base's window prompts that reached 1/16 (32 of 512, the edge, counting), the prompts below
+    the base's Q; n64 against n16 paired by seed (scipy's t); per seed each prompt's Q higher or
+    lower than n16's (scipy's binomial) and the falls. An arm with no n16 of its seed: not paired."""
     raw = tmp_path / "raw"
-    _censuses(raw, {"census-arm-n16-s0": [3, 0, 40, 1, 7, 9],
-                    "census-arm-n64-s0": [9, 0, 50, 2, 8, 1, 5],
-                    "census-arm-n64-s1": [1, 1, 1]})
-    text = "\n".join(study.census_section(study.censuses(raw)))
+    _censuses(raw, {"census-base": [1, 0, 3, 40, 1, 2, 7],  # window: prompts 0, 2, 4, 5
+                    "census-arm-n16-s0": [40, 0, 3, 50, 0, 9],
+                    "census-arm-n64-s0": [60, 1, 33, 20, 2, 40],
+                    "census-arm-n16-s1": [2, 0, 3, 40, 1, 2],
+                    "census-arm-n64-s1": [32, 0, 2, 45, 1, 2],
+                    "census-arm-n64-s2": [0, 0, 0, 0, 0, 0]})
+    text = "\n".join(study.census_section(*study.censuses(raw)))
+    assert "### The arms' ends, censused (the first 6 prompts; 4 in the base's window" in text
+    assert "| n16 | 0 1 | 0.0332, 0.0156 |" in text and "| 1, 0 | 1, 0 |" in text, text
+    assert "| n64 | 0 1 2 | 0.0508, 0.0267, 0 |" in text and "| 3, 1, 0 | 1, 1, 5 |" in text
+    p = sps.ttest_rel([156 / 3072, 82 / 3072], [102 / 3072, 48 / 3072]).pvalue
+    assert f"- n64 - n16, pass@1 of the ends, on the 2 shared seeds: +0.0143" in text
+    assert f"paired t p {p:.3g}" in text
     assert "### census-arm-n16-s0 -> census-arm-n64-s0, their first 6 prompts" in text
-    p = sps.binomtest(4, 5).pvalue
-    assert f"Q higher on 4 prompts, lower on 1, equal on 1 (sign test p {p:.3g})." in text, text
-    assert "- prompt 5: 0.0176 -> 0.0020" in text and "census-arm-n64-s1," not in text
+    p0, p1 = sps.binomtest(5, 6).pvalue, sps.binomtest(2, 3).pvalue
+    assert f"Q higher on 5 prompts, lower on 1, equal on 0 (sign test p {p0:.3g})." in text
+    assert f"Q higher on 2 prompts, lower on 1, equal on 3 (sign test p {p1:.3g})." in text
+    assert "- prompt 3: 0.0977 -> 0.0391" in text and "n16-s2 -> census-arm-n64-s2" not in text
 
 
 @pytest.mark.parametrize("bad,said", [

@@ -195,14 +195,16 @@ def preset_lines() -> list:
             + f" (seeds {', '.join(map(str, runs))})"]
 
 
-def censuses(raw: Path) -> list:
-    """(name, records) of every census folder in raw (census-*), the base's first."""
+def censuses(raw: Path) -> tuple:
+    """(name, records) of every census folder in raw (census-*) that recorded a prompt, the base's
+    first; and the names of those started with none recorded yet (census.json alone)."""
     dirs = sorted((p for p in raw.glob("census-*") if (p / "census.json").is_file()),
                   key=lambda p: (p.name != "census-base", p.name))
-    return [(d.name, census.load(d)) for d in dirs]
+    started = [d.name for d in dirs if not (d / "census.jsonl").is_file()]
+    return [(d.name, census.load(d)) for d in dirs if d.name not in started], started
 
 
-def census_section(found: list) -> list:
+def census_section(found: list, started: list = ()) -> list:
     """The censuses' table, then the base's records against each trained one's, over the prompts
     both recorded (a census is recorded prompt by prompt, in the same order), then each arm's end
     against n16's."""
@@ -210,32 +212,89 @@ def census_section(found: list) -> list:
         return []
     lines = ["", "## Reach censuses (tools/census.py; each prompt's Q from its samples at T 1)",
              ""] + census.table(found)
+    if started:
+        lines += ["", "Started, no prompt recorded yet: " + ", ".join(started)]
     if found[0][0] == "census-base":
         for name, rows in found[1:]:
             n = min(len(rows), len(found[0][1]))
             lines += ["", f"### census-base -> {name}, their first {n} prompts", ""]
             lines += census.moves_lines(("census-base", found[0][1][:n]), (name, rows[:n]))
-    return lines + arm_census_lines(found)
+    return lines + arm_census_table(found) + arm_census_lines(found)
+
+
+def arm_censuses(found: list) -> tuple:
+    """The arms' end censuses ({arm: {seed: records}}, census-arm-<arm>-s<S>) cut to the first n
+    prompts every one of them and the base census recorded, and n."""
+    ends = {}
+    for name, rows in found:
+        m = re.fullmatch(r"census-arm-(\w+)-s(\d+)", name)
+        if m:
+            ends.setdefault(m[1], {})[int(m[2])] = rows
+    base = dict(found).get("census-base")
+    if not ends or base is None:
+        return {}, 0
+    n = min(len(base), *(len(r) for seeds in ends.values() for r in seeds.values()))
+    return {a: {s: r[:n] for s, r in sorted(seeds.items())} for a, seeds in ends.items()}, n
+
+
+def arm_census_table(found: list) -> list:
+    """Each arm's end censuses over the prompts all censuses share, per seed: unbiased pass@k, the
+    prompts in the base's reach window that reached 1/16, and those whose Q fell below the base's;
+    then each arm against n16 on the shared seeds (paired t, Welch)."""
+    ends, n = arm_censuses(found)
+    if not ends:
+        return []
+    base = [r["right"] / r["samples"] for r in dict(found)["census-base"][:n]]
+    window = [i for i, q in enumerate(base) if census.zone(q) == "window"]
+
+    def measures(rows):
+        q = [r["right"] / r["samples"] for r in rows]
+        at = census.summary(rows)["pass_at_k"]
+        return dict(**{f"pass@{k}": at[k] for k in (1, 16, 256, 512)},
+                    crossed=sum(q[i] >= census.HIGH for i in window),
+                    fell=sum(a < b for a, b in zip(q, base)))
+
+    m = {a: {s: measures(r) for s, r in seeds.items()} for a, seeds in ends.items()}
+    keys = ["pass@1", "pass@16", "pass@256", "pass@512", "crossed", "fell"]
+    lines = ["", f"### The arms' ends, censused (the first {n} prompts; {len(window)} in the "
+             "base's window; per seed, in seed order)", "",
+             "| arm | seeds | pass@1 (mean Q) | pass@16 | pass@256 | pass@512 | base-window "
+             "prompts at >= 1/16 | prompts below the base's Q |", "|---" * 8 + "|"]
+    for arm in [a for a in ARMS if a in m]:
+        cell = lambda k: ", ".join(f"{x[k]:.3g}" if isinstance(x[k], float) else str(x[k])
+                                   for x in m[arm].values())
+        lines.append(f"| {arm} | {' '.join(map(str, m[arm]))} | "
+                     + " | ".join(cell(k) for k in keys) + " |")
+    tests_ = []
+    for arm in [a for a in ARMS if a in m and a != "n16"]:
+        seeds = sorted(set(m[arm]) & set(m.get("n16", {})))
+        for k in ("pass@1", "pass@256"):
+            if len(seeds) < 2:
+                continue
+            c = stats.paired([m[arm][s][k] for s in seeds], [m["n16"][s][k] for s in seeds])
+            tests_.append(f"- {arm} - n16, {k} of the ends, on the {c['n']} shared seeds: "
+                         f"{c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. {c['hi']:+.4f}); "
+                         f"paired t p {c['p']:.3g}")
+    return lines + ([""] + tests_ if tests_ else [])
 
 
 def arm_census_lines(found: list) -> list:
-    """Each arm's end census (census-arm-<arm>-s<seed>) against n16's of the same seed, over the
-    prompts both recorded: each prompt's Q higher or lower (a sign test over prompts), then the
-    zone moves and the prompts whose Q fell."""
-    by_name, lines = dict(found), []
-    for name, rows in found:
-        m = re.fullmatch(r"census-arm-(\w+)-s(\d+)", name)
-        base = f"census-arm-n16-s{m[2]}" if m else None
-        if not m or m[1] == "n16" or base not in by_name:
-            continue
-        n = min(len(rows), len(by_name[base]))
-        diffs = [r["right"] / r["samples"] - b["right"] / b["samples"]
-                 for b, r in zip(by_name[base][:n], rows[:n])]
-        up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-        lines += ["", f"### {base} -> {name}, their first {n} prompts (the same seed's ends)", "",
-                  f"Q higher on {up} prompts, lower on {down}, equal on {n - up - down} (sign test "
-                  f"p {stats.sign_test(diffs):.3g}).", ""]
-        lines += census.moves_lines((base, by_name[base][:n]), (name, rows[:n]))
+    """Each arm's end census against n16's of the same seed, over the prompts all censuses share:
+    each prompt's Q higher or lower (a sign test over prompts), the zone moves, the falls."""
+    ends, n = arm_censuses(found)
+    lines = []
+    for arm, seeds in ends.items():
+        for s, rows in seeds.items():
+            if arm == "n16" or s not in ends.get("n16", {}):
+                continue
+            before, name = ends["n16"][s], f"census-arm-{arm}-s{s}"
+            diffs = [r["right"] / r["samples"] - b["right"] / b["samples"]
+                     for b, r in zip(before, rows)]
+            up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+            lines += ["", f"### census-arm-n16-s{s} -> {name}, their first {n} prompts", "",
+                      f"Q higher on {up} prompts, lower on {down}, equal on {n - up - down} "
+                      f"(sign test p {stats.sign_test(diffs):.3g}).", ""]
+            lines += census.moves_lines((f"census-arm-n16-s{s}", before), (name, rows))
     return lines
 
 
@@ -246,13 +305,13 @@ def report(raw: Path) -> str:
         lines += ["## The arms (held-out: 32 prompts x 4 samples at T 0.6, top_p 0.95)", ""]
         # n64 against n16 (breadth at equal B) and against n16b16 (at equal kept rollouts)
         lines += arm_table(data) + tests(data) + tests(data, "n16b16", ["n64"]) + preset_lines()
-    return "\n".join(lines + census_section(censuses(raw))).rstrip() + "\n"
+    return "\n".join(lines + census_section(*censuses(raw))).rstrip() + "\n"
 
 
 def figure(raw: Path, path: Path):
     """Left: held-out pass@1 at the start and the end, each seed a line, by arm. Middle: each
-    census's unbiased pass@k against k. Right: each prompt's Q in the base census against a
-    trained one's (log scale), the reach window shaded."""
+    census's unbiased pass@k against k (an arm's ends: the mean over its seeds). Right: each
+    prompt's Q in the base census against a trained one's (log scale), the reach window shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -264,28 +323,36 @@ def figure(raw: Path, path: Path):
     ax.set(xticks=[0, 1], xticklabels=["start", "end"], ylabel="held-out pass@1 (T 0.6)",
            title="arms, each seed a line")
     ax.legend()
-    found = censuses(raw)
-    for k, (name, rows) in enumerate(found):
-        at = census.summary(rows)["pass_at_k"]
-        cx.plot(sorted(at), [at[j] for j in sorted(at)], marker="o", ms=3, color=f"C{k}",
-                label=f"{name} ({len(rows)} prompts)")
-    cx.set(xscale="log", xlabel="k", ylabel="unbiased pass@k (T 1)", title="censuses: pass@k")
-    if found:
+    # The censuses in groups: each arm's end censuses (its seeds, on the prompts all share) in
+    # the arm's colour on the left, every other census alone.
+    found = censuses(raw)[0]
+    ends, n = arm_censuses(found)
+    groups = [(name, "k" if name == "census-base" else "C3", [rows]) for name, rows in found
+              if not name.startswith("census-arm-")]
+    groups += [(f"{arm} end ({len(ends[arm])} seeds)", f"C{k}", list(ends[arm].values()))
+               for k, arm in enumerate(a for a in ARMS if a in ends)]
+    for name, color, members in groups:
+        at = [census.summary(rows)["pass_at_k"] for rows in members]
+        ks = sorted(at[0])
+        cx.plot(ks, [statistics.fmean(x[j] for x in at) for j in ks], marker="o", ms=3,
+                color=color, label=f"{name}, {len(members[0])} prompts")
+    cx.set(xscale="log", xlabel="k", ylabel="unbiased pass@k (T 1), mean over seeds",
+           title="censuses: pass@k")
+    if groups:
         cx.legend(fontsize=7)
     floor = 1 / 4096  # where a prompt with no right answer is drawn: below the window
     q = lambda r: max(r["right"] / r["samples"], floor)
-    if found and found[0][0] == "census-base":
-        for k, (name, rows) in enumerate(found[1:]):
-            n = min(len(rows), len(found[0][1]))
-            bx.scatter([q(r) for r in found[0][1][:n]], [q(r) for r in rows[:n]], s=18,
-                       color=f"C{k + 1}", label=name, zorder=3)
+    base = dict(found).get("census-base")
+    for name, color, members in (groups[1:] if base else []):
+        pairs = [(q(b), q(r)) for rows in members for b, r in zip(base, rows)]
+        bx.scatter(*zip(*pairs), s=14, color=color, alpha=0.6, label=name, zorder=3)
     bx.axvspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
     bx.axhspan(census.LOW, census.HIGH, color="0.85", alpha=0.5, zorder=0)
     bx.plot([floor, 1], [floor, 1], color="0.5", lw=0.8)
     bx.set(xscale="log", yscale="log", xlabel="Q, base (T 1; none right drawn at 1/4096)",
-           ylabel="Q, trained", title="reach census, window shaded")
-    if len(found) > 1:
-        bx.legend(fontsize=8)
+           ylabel="Q, trained", title="reach census (each seed a point), window shaded")
+    if len(groups) > 1:
+        bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

@@ -124,7 +124,8 @@ def test_arm_ends_censused_per_seed_and_against_n16s(tmp_path):
     """The arms' end censuses over the prompts every census shares, by hand: per seed pass@1, the
     base's window prompts that reached 1/16 (32 of 512, the edge, counting), the prompts below
     the base's Q; n64 against n16 paired by seed (scipy's t); per seed each prompt's Q higher or
-    lower than n16's (scipy's binomial) and the falls. An arm with no n16 of its seed: not paired."""
+    lower than n16's (scipy's binomial) and the falls. An arm with no n16 of its seed: not
+    paired."""
     raw = tmp_path / "raw"
     _censuses(raw, {"census-base": [1, 0, 3, 40, 1, 2, 7],  # window: prompts 0, 2, 4, 5
                     "census-arm-n16-s0": [40, 0, 3, 50, 0, 9],

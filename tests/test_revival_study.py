@@ -173,6 +173,13 @@ def test_catches_and_losses_by_hand():
     assert c["losses"] == 2 and c["window_losses"] == 1 and c["lifts"] == 2
     assert c["revivals"] == 1
     assert c["rollouts"] == 25 * 1024 and c["steps"] == 25 and c["cpu_s"] == 12.5
+    # 1/2048 itself is in the window: a prompt leaving it from there is a loss, one ending there
+    # is not, and one starting there is not lifted.
+    edges = [[LO, -3.4, -3.5, -3.6, -3.8, -4.0], [-2.5, -2.8, -3.0, -3.1, -3.2, LO],
+             [LO, -3.0, -2.8, -2.5, -2.2, -2.0]]
+    c = study.catches(_branch_rows(edges))
+    assert c["window"] == [0, 1, 2] and c["caught"] == 0
+    assert (c["losses"], c["window_losses"], c["lifts"], c["revivals"]) == (1, 1, 0, 0)
 
 
 def _write(path, rows):

@@ -57,19 +57,46 @@ def test_plan_counts_kept_rollouts_and_two_evaluations(tmp_path):
         f"then at most 6 end census(es) of 20 prompts, about {6 * 20 * 90 / 3600:.1f} CPU hours")
 
 
-def test_end_censuses_need_a_finished_run_and_skip_a_full_census(tmp_path):
-    """A run whose raw file landed but whose checkpoint is gone: a line naming it, no census; a
-    census already holding K prompts, or a run not finished: nothing to do."""
+def test_end_censuses_census_each_runs_end_with_the_base_censuses_flags(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The census of a finished run's end: tools/census.py on its checkpoint, the base census's
+    flags (its committed header's), one thread; a census already holding K prompts, or a run not
+    finished, is not run; a checkpoint that is not the raw file's last step, or a census folder
+    of another model, stops the driver in one line (exit 2) before any census runs."""
+    import torch
+    assert study.CENSUS_FLAGS == json.loads((study.RAW / "census-base" / "census.json")
+                                            .read_text())["argv"]
     raw, out = tmp_path / "raw", tmp_path / "out"
     for arm in ("n16", "n64"):
         (raw / "arms" / arm).mkdir(parents=True)
-        (raw / "arms" / arm / "seed0.jsonl").write_text("{}\n")
-    (raw / "census-arm-n64-s0").mkdir()
-    (raw / "census-arm-n64-s0" / "census.jsonl").write_text("{}\n{}\n")
-    failed = study.end_censuses(["n16", "n64", "n16b16"], [0, 1], 2, out, raw, 2)
-    assert failed == [f"census of n16 seed 0: {out / 'n16' / 'seed0' / 'ckpt'} has no model "
-                      "(rerun the arm into --out)"]
-
+        (raw / "arms" / arm / "seed0.jsonl").write_text('{"step": 0}\n{"step": 4}\n')
+        (out / arm / "seed0" / "ckpt").mkdir(parents=True)
+        (out / arm / "seed0" / "ckpt" / "model.safetensors").write_text("")
+        torch.save(dict(step=4), out / arm / "seed0" / "ckpt" / "trainer_state.pt")
+    full = raw / "census-arm-n64-s0"
+    full.mkdir()
+    (full / "census.json").write_text(json.dumps(dict(argv=[
+        *study.CENSUS_FLAGS, "--model", str(out / "n64" / "seed0" / "ckpt")])))
+    (full / "census.jsonl").write_text("{}\n{}\n")
+    calls = []
+    monkeypatch.setattr("subprocess.run", lambda argv, **kw: calls.append((argv, kw["env"])) or
+                        type("Done", (), dict(returncode=0))())
+    assert study.end_censuses(["n16", "n64", "n16b16"], [0, 1], 2, out, raw, 2) == []
+    (argv, env), = calls
+    assert argv[1:] == ["-m", "tools.census", "--out", str(raw / "census-arm-n16-s0"),
+                        "--samples", "512", "--first", "2", "--", *study.CENSUS_FLAGS,
+                        "--model", str(out / "n16" / "seed0" / "ckpt")]
+    assert env["OMP_NUM_THREADS"] == "1"
+    # The n64 census, cut to 3 prompts, would go on: from a checkpoint of step 2, it may not.
+    torch.save(dict(step=2), out / "n64" / "seed0" / "ckpt" / "trainer_state.pt")
+    with pytest.raises(SystemExit) as e:
+        study.end_censuses(["n64"], [0], 3, out, raw, 1)
+    assert e.value.code == 2 and "its checkpoint is at step 2" in capsys.readouterr().err
+    (full / "census.json").write_text(json.dumps(dict(argv=["--model", "elsewhere"])))
+    with pytest.raises(SystemExit):
+        study.end_censuses(["n64"], [0], 3, out, raw, 1)
+    assert "a census of --model elsewhere, not of" in capsys.readouterr().err
+    assert len(calls) == 1
 
 def test_measures_and_tests_against_hand_computation(tmp_path):
     raw = tmp_path / "raw"
@@ -175,3 +202,14 @@ def test_one_seed_is_compared_by_prompt_only(tmp_path):
         "1 even, sign test p 0.25" in lines
     assert "- n64 - n16b16: +0.0000 on seed 0 alone (no test over seeds); by prompt 0 up, " \
         "1 down, 3 even, sign test p 1" in lines
+
+
+@pytest.mark.parametrize("flags, said", [(["--census", "65"], "--census 65: the held-out set "
+                                          "has 64 prompts"), (["--census", "0"], "--census 0: "
+                                          "need >= 1"), (["--jobs", "0"], "--jobs 0: need >= 1")])
+def test_bad_flags_are_named_before_any_run(tmp_path, flags, said, capsys, monkeypatch):
+    monkeypatch.setattr(study.study, "run_jobs", lambda *a: pytest.fail("a run was started"))
+    with pytest.raises(SystemExit) as e:
+        study.main(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *flags])
+    assert e.value.code == 2 and said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ seed, prorl and n512 (the pairs), then n16-long, one run at a time. Its measures
 and arm: the prompts in the window at the branch, each one's first eval at which its Q reached 1/16
 (a catch), the catches by the run's end and the median steps and rollouts to one, the prompts that
 fell below 1/2048 (losses, and how many of them were in the window) and those below it at the branch
-that rose above it (lifts, and of them those that reached 1/16: revivals); each arm against prorl
+at or above it at the end (lifts; of them, those at or above 1/16: revivals); each arm against prorl
 paired by seed (paired t, sign test) and unpaired (Welch).
 
 The plateau, defined before the trunk ran: at an eval step s >= --window, the ordinary least

@@ -54,7 +54,8 @@ ROLLOUTS = {"n16": 64, "n64": 256, "n16b16": 256}  # kept rollouts a step (N x B
 # per kept rollout (611-643 CPU s for 8 steps of 64), and one evaluation with start-up.
 STEP_CPU_PER_ROLLOUT, EVAL_CPU = 1.2, 80
 CENSUS_CPU = 90  # a trained model's census, CPU s a prompt (512 samples; the base's ~150)
-CENSUS_FLAGS = ["--preset", "smollm2", "--temperature", "1", "--eval_prompts", "64"]  # the base's
+HELD_OUT = 64  # the censuses' held-out prompts
+CENSUS_FLAGS = ["--preset", "smollm2", "--temperature", "1", "--eval_prompts", str(HELD_OUT)]
 
 
 def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
@@ -66,9 +67,29 @@ def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
             for s in seeds for arm in arms]
 
 
-def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path, parallel: int) -> list:
+def end_census_problem(arm: str, seed: int, out: Path, raw: Path) -> str:
+    """Why the census of this arm run's end cannot go on, or '': its census folder must hold a
+    census of this run's checkpoint (census.py's header: the flags after --), and the checkpoint
+    must be the raw file's last step with no live run in its folder."""
+    run_dir, rows = out / arm / f"seed{seed}", raw / "arms" / arm / f"seed{seed}.jsonl"
+    head = raw / f"census-arm-{arm}-s{seed}" / "census.json"
+    want = [*CENSUS_FLAGS, "--model", str(run_dir / "ckpt")]
+    if head.is_file() and (have := study.read_json(head, ("argv",))["argv"]) != want:
+        return f"{head}: a census of {' '.join(have)}, not of {want[-1]}: move it away"
+    if holder := study.lock_holder(run_dir):
+        return f"{run_dir}: a live run (pid {holder}) holds it"
+    end, step = study.raw_rows(rows)[-1]["step"], study.ChunkedRun.checkpoint_step(run_dir)
+    if step != end or not (run_dir / "ckpt" / "model.safetensors").is_file():
+        return (f"{run_dir}: its checkpoint is at step {step}, {rows} ends at step {end}: not "
+                "this run's end (rerun the arm into --out)")
+    return ""
+
+
+def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
+                 parallel: int) -> list:
     """A reach census of each finished run's end checkpoint (tools/census.py, the base census's
-    flags), seed by seed, `parallel` at a time; a census cut short goes on where it stopped.
+    flags, one thread), seed by seed, `parallel` at a time; a census cut short goes on where it
+    stopped; a census that cannot go on (end_census_problem) stops the driver first, in one line.
     Returns the lines of those that failed."""
     import concurrent.futures
     import subprocess
@@ -77,20 +98,24 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path, para
     todo = [(arm, s) for s in seeds for arm in arms
             if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()
             and recorded(raw / f"census-arm-{arm}-s{s}" / "census.jsonl") < first]
+    for arm, s in todo:
+        if problem := end_census_problem(arm, s, out, raw):
+            fail(f"census of {arm} seed {s}: {problem}")
 
     def one(arm_seed) -> str:
         arm, s = arm_seed
-        ckpt, folder = out / arm / f"seed{s}" / "ckpt", raw / f"census-arm-{arm}-s{s}"
-        if not (ckpt / "model.safetensors").is_file():
-            return f"census of {arm} seed {s}: {ckpt} has no model (rerun the arm into --out)"
-        argv = [sys.executable, "-m", "tools.census", "--out", str(folder), "--samples", "512",
-                "--first", str(first), "--", *CENSUS_FLAGS, "--model", str(ckpt)]
+        ckpt, log = out / arm / f"seed{s}" / "ckpt", out / arm / f"seed{s}-census.log"
+        argv = [sys.executable, "-m", "tools.census", "--out",
+                str(raw / f"census-arm-{arm}-s{s}"), "--samples", "512", "--first", str(first),
+                "--", *CENSUS_FLAGS, "--model", str(ckpt)]
         print(f"census of {arm} seed {s}: {' '.join(argv[1:])}", flush=True)
-        with open(out / arm / f"seed{s}-census.log", "a") as log:
-            code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(f"census of {arm} seed {s}: " + ("done" if code == 0 else f"failed (exit {code})"),
-              flush=True)
-        return "" if code == 0 else f"census of {arm} seed {s} (exit {code}, {log.name})"
+        with open(log, "a") as f:
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                                  env=study.thread_env(1)).returncode
+        line = f"census of {arm} seed {s}: " + ("done" if code == 0 else
+                                                 f"failed (exit {code}), {log}")
+        print(line, flush=True)
+        return "" if code == 0 else line
 
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         return [line for line in pool.map(one, todo) if line]
@@ -375,8 +400,11 @@ def main(argv=None):
     raw, out = Path(args.raw), Path(args.out)
     study.check_seeds(args.seeds)
     study.check_distinct("--arms", args.arms)
-    if args.steps < 1 or args.jobs < 1 or (args.census is not None and args.census < 1):
-        fail(f"--steps {args.steps} --jobs {args.jobs} --census {args.census}: need each >= 1")
+    for flag, value in (("--steps", args.steps), ("--jobs", args.jobs), ("--census", args.census)):
+        if value is not None and value < 1:
+            fail(f"{flag} {value}: need >= 1")
+    if args.census is not None and args.census > HELD_OUT:
+        fail(f"--census {args.census}: the held-out set has {HELD_OUT} prompts")
     study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if args.report:
         text = report(raw)  # every raw file read and measured before anything is written

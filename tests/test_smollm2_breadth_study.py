@@ -159,7 +159,9 @@ def test_arm_ends_censused_per_seed_and_against_n16s(tmp_path):
                     "census-arm-n64-s0": [60, 1, 33, 20, 2, 40],
                     "census-arm-n16-s1": [2, 0, 3, 40, 1, 2],
                     "census-arm-n64-s1": [32, 0, 2, 45, 1, 2],
-                    "census-arm-n64-s2": [0, 0, 0, 0, 0, 0]})
+                    "census-arm-n64-s2": [0, 0, 0, 0, 0, 0],
+                    "census-arm-n16b16-s0": [60, 1, 33, 20, 2, 40],  # as n64's, on seed 0
+                    "census-arm-n16b16-s2": [0, 0, 0, 0, 0, 0]})
     text = "\n".join(study.census_section(*study.censuses(raw)))
     assert "### The arms' ends, censused (the first 6 prompts; 4 in the base's window" in text
     assert "| n16 | 0 1 | 0.0332, 0.0156 |" in text and "| 1, 0 | 1, 0 |" in text, text
@@ -167,6 +169,9 @@ def test_arm_ends_censused_per_seed_and_against_n16s(tmp_path):
     p = sps.ttest_rel([156 / 3072, 82 / 3072], [102 / 3072, 48 / 3072]).pvalue
     assert f"- n64 - n16, pass@1 of the ends, on the 2 shared seeds: +0.0143" in text
     assert f"paired t p {p:.3g}" in text
+    # n64 against n16b16 over seeds 0 and 2 (no n16b16 seed 1): equal on both, no spread
+    assert "- n64 - n16b16, pass@1 of the ends, on the 2 shared seeds: +0.0000" in text
+    assert "- n16b16 - n16," not in text  # one shared seed only
     assert "### census-arm-n16-s0 -> census-arm-n64-s0, their first 6 prompts" in text
     p0, p1 = sps.binomtest(5, 6).pvalue, sps.binomtest(2, 3).pvalue
     assert f"Q higher on 5 prompts, lower on 1, equal on 0 (sign test p {p0:.3g})." in text

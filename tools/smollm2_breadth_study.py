@@ -265,7 +265,7 @@ def arm_censuses(found: list) -> tuple:
 def arm_census_table(found: list) -> list:
     """Each arm's end censuses over the prompts all censuses share, per seed: unbiased pass@k, the
     prompts in the base's reach window that reached 1/16, and those whose Q fell below the base's;
-    then each arm against n16 on the shared seeds (paired t, Welch)."""
+    then each arm against n16, and n64 against n16b16, on the shared seeds (paired t, Welch)."""
     ends, n = arm_censuses(found)
     if not ends:
         return []
@@ -291,13 +291,14 @@ def arm_census_table(found: list) -> list:
         lines.append(f"| {arm} | {' '.join(map(str, m[arm]))} | "
                      + " | ".join(cell(k) for k in keys) + " |")
     tests_ = []
-    for arm in [a for a in ARMS if a in m and a != "n16"]:
-        seeds = sorted(set(m[arm]) & set(m.get("n16", {})))
+    # Each arm against n16 (the preset), and n64 against n16b16 (as many kept rollouts).
+    for arm, base in [(a, "n16") for a in ARMS if a != "n16"] + [("n64", "n16b16")]:
+        seeds = sorted(set(m.get(arm, {})) & set(m.get(base, {})))
         for k in ("pass@1", "pass@256"):
             if len(seeds) < 2:
                 continue
-            c = stats.paired([m[arm][s][k] for s in seeds], [m["n16"][s][k] for s in seeds])
-            tests_.append(f"- {arm} - n16, {k} of the ends, on the {c['n']} shared seeds: "
+            c = stats.paired([m[arm][s][k] for s in seeds], [m[base][s][k] for s in seeds])
+            tests_.append(f"- {arm} - {base}, {k} of the ends, on the {c['n']} shared seeds: "
                          f"{c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. {c['hi']:+.4f}); "
                          f"paired t p {c['p']:.3g}")
     return lines + ([""] + tests_ if tests_ else [])

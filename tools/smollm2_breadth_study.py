@@ -290,18 +290,18 @@ def arm_census_table(found: list) -> list:
                                    for x in m[arm].values())
         lines.append(f"| {arm} | {' '.join(map(str, m[arm]))} | "
                      + " | ".join(cell(k) for k in keys) + " |")
-    tests_ = []
+    tested = []
     # Each arm against n16 (the preset), and n64 against n16b16 (as many kept rollouts).
-    for arm, base in [(a, "n16") for a in ARMS if a != "n16"] + [("n64", "n16b16")]:
-        seeds = sorted(set(m.get(arm, {})) & set(m.get(base, {})))
+    for arm, other in [(a, "n16") for a in ARMS if a != "n16"] + [("n64", "n16b16")]:
+        seeds = sorted(set(m.get(arm, {})) & set(m.get(other, {})))
         for k in ("pass@1", "pass@256"):
             if len(seeds) < 2:
                 continue
-            c = stats.paired([m[arm][s][k] for s in seeds], [m[base][s][k] for s in seeds])
-            tests_.append(f"- {arm} - {base}, {k} of the ends, on the {c['n']} shared seeds: "
-                         f"{c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. {c['hi']:+.4f}); "
-                         f"paired t p {c['p']:.3g}")
-    return lines + ([""] + tests_ if tests_ else [])
+            c = stats.paired([m[arm][s][k] for s in seeds], [m[other][s][k] for s in seeds])
+            tested.append(f"- {arm} - {other}, {k} of the ends, on the {c['n']} shared seeds: "
+                          f"{c['d']:+.4f} (Welch 95% interval {c['lo']:+.4f} .. {c['hi']:+.4f}); "
+                          f"paired t p {c['p']:.3g}")
+    return lines + ([""] + tested if tested else [])
 
 
 def arm_census_lines(found: list) -> list:

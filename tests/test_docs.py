@@ -130,13 +130,21 @@ def link_problems(root: Path) -> list:
     return problems
 
 
+def ignored_folders(root: Path) -> set:
+    """The top-level folders .gitignore keeps out of the repository (`runs/`, `.venv/`): what a run
+    or an install makes there is not a repository path, whether or not it exists yet."""
+    ignore = root / ".gitignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    return {line.strip("/") for line in lines if line.endswith("/") and "*" not in line}
+
+
 def path_problems(root: Path) -> list:
     """Backticked repository paths in the docs exist. A backticked path counts when it names a module
     (x.py, x.sh, x.md: at the top or in one of FOLDERS, so `harness.py` is lib/harness.py) or starts
     with a folder the repository has; run outputs (`runs/...`, `metrics.jsonl`) are not repository
     paths; a pattern (`bench*.py`) is not checked. Commands: command_problems."""
     problems = []
-    folders = {p.name for p in root.iterdir() if p.is_dir()}
+    folders = {p.name for p in root.iterdir() if p.is_dir()} - ignored_folders(root)
     for doc in DOCS:
         md = (root / doc).read_text()
         for span in re.findall(r"`([^`\n]+)`", md):
@@ -387,6 +395,17 @@ def test_markdown_links_resolve():
 
 def test_paths_in_docs_exist():
     assert path_problems(ROOT) == []
+
+
+def test_run_outputs_are_not_repository_paths(tmp_path, monkeypatch):
+    """A run's folder made by the README's first command (`runs/`, ignored by git) does not turn the
+    docs' run paths into missing repository paths; a missing path in a tracked folder still counts."""
+    (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text())
+    (tmp_path / "runs" / "arith-1").mkdir(parents=True)
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "README.md").write_text("See `runs/smollm2-breadth-n16` and `assets/missing.json`.\n")
+    monkeypatch.setitem(globals(), "DOCS", ["README.md"])
+    assert path_problems(tmp_path) == ["README.md: `assets/missing.json` does not exist"]
 
 
 def test_commands_in_the_text_run_as_written():

@@ -16,9 +16,12 @@ A command with none of these forms fails: a new one needs its dry form here.
 """
 
 import dataclasses
+import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +152,29 @@ def test_a_benchmark_given_as_task_is_caught(tmp_path, monkeypatch):
 def test_no_command_without_a_dry_form(tmp_path):
     with pytest.raises(AssertionError, match="no dry form"):
         dry_run("make everything", tmp_path)
+
+
+@pytest.mark.slow
+def test_the_two_commands_in_order_in_one_tree(tmp_path):
+    """The README's first command's job, then its second command, in one checkout: a copy of the
+    repository's files trains `python brorl.py` at a small size (its run folder under `runs/`, where
+    the default --out puts it), then runs `python -m pytest -q` there: 0 failed. The fast suite
+    must not read what a run leaves beside the code (tests/test_docs.py once read `runs/` as a
+    repository folder)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    tree = tmp_path / "checkout"
+    for name in filter(None, listed.split("\0")):
+        if (ROOT / name).is_file():  # a file deleted in the work tree is listed but gone
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    small = ["--steps", "2", "--eval_every", "2", "--n_rollouts", "16", "--eval_prompts", "4",
+             "--eval_samples", "4", "--probe_prompts", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "brorl.py", *small], cwd=tree, env=env, check=True,
+                   capture_output=True)
+    assert [p.name for p in (tree / "runs").iterdir()], "the first command made no run folder"
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                           cwd=tree, env=env, capture_output=True, text=True)
+    tail = suite.stdout[-3000:]
+    assert suite.returncode == 0 and " failed" not in tail, tail

@@ -32,6 +32,13 @@ Parts:
            against merged into the weights (peft's merge_adapter), and without an adapter;
            on CUDA in bf16 if available, else this CPU in fp32.
 
+--dtype bfloat16 (default float32) runs the CPU parts sampler, varlen and step as a CPU that
+computes bf16 natively (AVX512_BF16, AMX) would: brorl as brorl.py --dtype bfloat16 runs (fp32
+weights and AdamW, matmuls under bf16 autocast, old log-probs recomputed), generate with its weights
+in bf16 (torch_dtype, what a Hugging Face user does; no casts a call, the stronger baseline), TRL's
+GRPOTrainer with bf16=True (accelerate's autocast, fp32 weights), and the matmul floor in bf16:
+each dtype against its own floor.
+
 Every speed is also shown as a fraction of this machine's matmul floor, measured at the start of
 the same run (matmul_floor: the best GFLOP/s of a plain torch.mm of the model's MLP shape, at the
 run's threads and dtype): the model FLOPs the speed implies (model_gflop) over that rate. It says
@@ -44,6 +51,8 @@ every part still runs (tests/test_bench.py), not a measurement.
 lib/pretrained.py), its weights as saved: the sampler and the step at each N of --ns (default 64
 and 512) with --new tokens (default 32), from the first prompts of --task (default arith) in the
 model's chat template if it has one. The sampler and the step (TRL's too) get the same prompts.
+With --model, --part all is those two; --trl_ns runs TRL at some N only (the others' ratios
+extrapolated from its nearest N's completions/s, and said so).
 
 Commands:
   python -m tools.bench                    # sampler + step on this CPU (fp32, ~2.4M params)
@@ -56,6 +65,9 @@ Commands:
   python -m tools.bench --save DIR         # write the bench model, tokenizer, prompts.json
   python -m tools.bench --model smollm2-135m-instruct --task math:assets/smollm2/add2.jsonl \
       --part sampler --ns 64,512 --new 16 --threads 1      # a real model (docs/results/speed.md)
+  python -m tools.bench --model smollm2-135m-instruct --task math:assets/smollm2/add2.jsonl \
+      --new 16 --threads 1 --dtype bfloat16 --trl /tmp/trl-venv/bin/python --trl_ns 64
+                                           # sampler and step in bf16, TRL's bf16=True at N = 64
   bash tools/bench_trl.sh                  # TRL GRPOTrainer on the same model, in its own venv
   bash tools/bench_trl.sh --model smollm2-135m-instruct 64 --new 16   # ... on a real model
   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python  # TRL interleaved with ours
@@ -238,8 +250,11 @@ def random_prompt(length: int, seed: int) -> list:
     return [rng.randrange(33, 127) for _ in range(length)]
 
 
-def run_ours(model, ids, n, new, pad_id):
-    tokens, mask = sampler.generate_group_chunk(model, [ids], [0], [(n, 0, n)], new, 1.0, 1.0, -1, pad_id)[:2]
+def run_ours(model, ids, n, new, pad_id, amp=None):
+    """amp: under autocast to that dtype (compute_in), as brorl.py's rollout phase."""
+    with compute_in(model.device, amp):
+        tokens, mask = sampler.generate_group_chunk(model, [ids], [0], [(n, 0, n)], new, 1.0, 1.0,
+                                                    -1, pad_id)[:2]
     assert mask.all() and tokens.shape == (n, new)  # every row ran to full length
     return tokens
 
@@ -263,23 +278,48 @@ def interleaved(contenders: dict, repeats: int) -> dict:
     return runs
 
 
-def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor, prompt=None):
+def compute_in(device, amp):
+    """brorl's side computing in `amp` (a dtype, or None: in its weights' dtype) as brorl.py
+    computes on a CPU with --dtype bfloat16: weights fp32, matmuls under autocast, a fresh region
+    per call as a step's rollout phase is one (lib/policy.autocast)."""
+    return torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None)
+
+
+def load_pair(path, device, dtype, amp=None):
+    """(brorl's model, generate's). amp (the CPU's --dtype bfloat16): brorl's weights fp32, run
+    under compute_in, and generate's in `dtype`, as a Hugging Face user loads a model to run it in
+    bf16 (the faster of its two ways on a CPU: no casts a call); else both in `dtype`."""
+    return (load_model(path, "brorl", device, torch.float32 if amp else dtype),
+            load_model(path, "sdpa", device, dtype))
+
+
+def says(dtype, amp=None) -> str:
+    """How each side computes, for a part's header."""
+    name = str(dtype).removeprefix("torch.")
+    return (f"{name}: brorl fp32 weights under {name} autocast, generate {name} weights" if amp
+            else name)
+
+
+def bench_sampler(path, device, dtype, cases, repeats, tok, params, floor, prompt=None, amp=None):
     """prompt: one prompt's token ids for every case (a real model's); else random ones of each
-    case's length."""
-    ours, hf = load_model(path, "brorl", device, dtype), load_model(path, "sdpa", device, dtype)
+    case's length. amp: brorl's side under autocast to it with fp32 weights (load_pair)."""
+    ours, hf = load_pair(path, device, dtype, amp)
     ids = prompt or random_prompt(24, seed=0)
     # same weights, same logic: greedy tokens agree (and warms both paths up)
-    a = sampler.generate_group_chunk(ours, [ids], [0], [(1, 0, 1)], 16, 0.0, 1.0, -1, tok.pad_token_id)[0]  # (1, 16)
+    with compute_in(device, amp):
+        a = sampler.generate_group_chunk(ours, [ids], [0], [(1, 0, 1)], 16, 0.0, 1.0, -1,
+                                         tok.pad_token_id)[0]  # (1, 16)
     b = hf.generate(torch.tensor([ids], device=device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)  # (1, 24 + 16)
     agree = (a == b[:, len(ids):]).float().mean().item()
-    print(f"\n== sampler: rollout tokens/s, median of {repeats} (greedy agreement ours vs generate: {agree:.0%})")
+    print(f"\n== sampler: rollout tokens/s, {says(dtype, amp)}, median of {repeats} (greedy "
+          f"agreement ours vs generate: {agree:.0%})")
     print(f"{'N':>5} {'prompt':>6} {'new':>4} | {'brorl tok/s':>11} {'generate tok/s':>14} | "
           f"{'ratio':>6} | {'floor: brorl':>12} {'generate':>8}")
     results = []
     for n, p, new in cases:
         ids = prompt or random_prompt(p, seed=p)
-        contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id),
+        contenders = {"brorl": lambda: run_ours(ours, ids, n, new, tok.pad_token_id, amp),
                       "generate": lambda: run_generate(hf, ids, n, new, tok)}
         times = {k: [dt for dt, _ in runs] for k, runs in interleaved(contenders, repeats).items()}
         tps = {k: n * new / statistics.median(v) for k, v in times.items()}
@@ -553,16 +593,18 @@ def bench_compiled_update(path, n, new, micro_batch, steps, threads, prompts=Non
 # Part 2: a full rl_step (rollout + reward + update), one subprocess per configuration
 
 
-def step_setup(model_dir, n, new, micro_batch, prompts=None):
+def step_setup(model_dir, n, new, micro_batch, prompts=None, dtype="auto"):
     """What a timed rl_step of the bench model needs: the tokenizer that never ends a rollout, the
     saved prompts (B of them; prompts.json beside the model unless a file is given), and a Config
-    of B x n rollouts of `new` tokens, nothing dropped."""
+    of B x n rollouts of `new` tokens, nothing dropped, in compute dtype `dtype` (brorl's --dtype:
+    auto is bf16 on CUDA and fp32 on a CPU here, as rl_step reads it without setup's pick_dtype)."""
     tok = NeverEos(AutoTokenizer.from_pretrained(model_dir))
     saved = json.loads(Path(prompts or Path(model_dir) / "prompts.json").read_text())
     examples = [dict(e, task="arith") for e in saved]
     B = len(examples)
     cfg = brorl.Config(model=str(model_dir), n_rollouts=n, prompts_per_step=B, max_new_tokens=new,
-                       dynamic_sampling=False, micro_batch=micro_batch, max_rows=max(4096, B * n))
+                       dynamic_sampling=False, micro_batch=micro_batch, max_rows=max(4096, B * n),
+                       dtype=dtype)
     # --verifier auto resolved as a run resolves it.
     cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
     return tok, examples, cfg
@@ -571,11 +613,11 @@ def step_setup(model_dir, n, new, micro_batch, prompts=None):
 def step_child(args):
     """Runs in its own process: warm-up + `steps` rl_steps; prints one JSON line."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # brorl's own configuration: fp32 weights, bf16 autocast on CUDA (rl_step applies --dtype auto)
+    # brorl's own configuration: fp32 weights, autocast to --dtype (auto: bf16 on CUDA, fp32 here)
     model = load_model(args.model_dir, "brorl", device, torch.float32)
     model.generation_config.eos_token_id = None  # sampler.generate stops on these ids too
     tok, examples, cfg = step_setup(args.model_dir, args.n, args.new, args.micro_batch,
-                                    args.prompts)
+                                    args.prompts, args.dtype or "auto")
     B = len(examples)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     rng, gen_cpu = random.Random(0), torch.Generator().manual_seed(0)
@@ -594,17 +636,25 @@ def step_child(args):
 
 
 def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floor, trl_python="",
-               prompts=None):
-    """prompts: the prompts.json both trainers read (default: the one beside the model)."""
+               prompts=None, dtype=None, trl_ns=None):
+    """prompts: the prompts.json both trainers read (default: the one beside the model). dtype:
+    the compute dtype both trainers are given ('float32', 'bfloat16': brorl's --dtype, TRL's
+    bf16=); None: brorl's --dtype auto (as it was before pick_dtype: fp32 on a CPU, bf16 on CUDA)
+    and TRL's fp32. trl_ns: the N values at which TRL runs (default every N)."""
     prompts = Path(prompts or Path(path) / "prompts.json")
-    print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, median of {repeats} "
-          f"processes x {steps} steps (after one warm-up step each)")
+    trl_ns = [n for n in ns if n in trl_ns] if trl_ns else ns
+    trl_said = f"; TRL: bf16={dtype == 'bfloat16'}" if trl_python else ""
+    said = (f"{dtype} (brorl: --dtype {dtype}, fp32 weights and AdamW{trl_said})" if dtype
+            else "brorl's --dtype auto" + (", TRL fp32" if trl_python else ""))
+    print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, {said}, median "
+          f"of {repeats} processes x {steps} steps (after one warm-up step each)")
     common = ["--model_dir", str(path), "--prompts", str(prompts), "--new", str(new),
-              "--micro_batch", str(micro_batch), "--steps", str(steps), "--threads", str(threads)]
+              "--micro_batch", str(micro_batch), "--steps", str(steps), "--threads", str(threads),
+              *(["--dtype", dtype] if dtype else [])]
     runs = {("brorl", n): [sys.executable, "-m", "tools.bench", "--child", *common] for n in ns}
     if trl_python:  # TRL's GRPOTrainer in its own venv (tools/bench_trl.sh), interleaved with ours
         trl = [trl_python, str(Path(__file__).with_name("bench_trl.py")), *common]
-        runs.update({("TRL", n): trl for n in ns})
+        runs.update({("TRL", n): trl for n in trl_ns})
     res = {k: [] for k in runs}
     for _ in range(repeats):  # interleaved across processes: brorl 64, brorl 512, TRL 64, ...
         for (name, n), cmd in runs.items():
@@ -637,29 +687,48 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floo
     lo, hi = ns[0], ns[-1]
     print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x")
     for n in ns if trl_python else []:
-        print(f"brorl / TRL completions/s at N={n}: {med['brorl', n]['completions_s'] / med['TRL', n]['completions_s']:.2f}x")
+        if n in trl_ns:
+            print(f"brorl / TRL completions/s at N={n}: "
+                  f"{med['brorl', n]['completions_s'] / med['TRL', n]['completions_s']:.2f}x")
+            continue
+        # TRL not run at this N: its completions/s taken as at its nearest N that ran (a step's
+        # time linear in its completions), which flatters TRL where generate slows per token as
+        # N grows (docs/results/speed.md).
+        near = min(trl_ns, key=lambda x: abs(x - n))
+        trl_s = med["TRL", near]["step_s"] * n / near
+        print(f"brorl / TRL completions/s at N={n}: "
+              f"{med['brorl', n]['completions_s'] / med['TRL', near]['completions_s']:.2f}x "
+              f"extrapolated (TRL not run at N={n}: its N={near} completions/s, a step of "
+              f"{trl_s:.0f} s)")
     return med
 
 
-def bench_varlen(path, device, dtype, repeats, tok, params, floor, n, prompt, new, eos_push=3.0):
+def bench_varlen(path, device, dtype, repeats, tok, params, floor, n, prompt, new, eos_push=3.0,
+                 amp=None):
     """Rollouts of varied length (EOS made likelier: lengths ~geometric, capped at `new`): our
     sampler drops finished rows (SharedPrefixCache.keep); generate keeps decoding them as padding.
-    Real tokens per second, each path's own EOS draws."""
-    models = [load_model(path, attn, device, dtype) for attn in ("brorl", "sdpa")]
+    Real tokens per second, each path's own EOS draws. amp: as bench_sampler's."""
+    models = load_pair(path, device, dtype, amp)
     ids = random_prompt(prompt, seed=1)
     with torch.no_grad():  # push EOS's (tied) output row along the prompt's mean final hidden state
         h = models[0].model(torch.tensor([ids], device=device)).last_hidden_state[0].mean(0)
         for m in models:
-            m.lm_head.weight[tok.eos_token_id] += eos_push * h / h.norm() ** 2
+            m.lm_head.weight[tok.eos_token_id] += (eos_push * h / h.norm() ** 2).to(m.dtype)
+
+    def ours():
+        with compute_in(device, amp):
+            return int(sampler.generate_group_chunk(models[0], [ids], [0], [(n, 0, n)], new, 1.0,
+                                                    1.0, [tok.eos_token_id], tok.pad_token_id)[1]
+                       .sum())
     contenders = {  # each returns its number of real tokens (EOS included, padding not)
-        "brorl": lambda: int(sampler.generate_group_chunk(models[0], [ids], [0], [(n, 0, n)], new, 1.0, 1.0,
-                                                          [tok.eos_token_id], tok.pad_token_id)[1].sum()),
+        "brorl": ours,
         "generate": lambda: int((run_generate(models[1], ids, n, new, tok, forced=False)
                                  != tok.pad_token_id).sum())}
     runs = interleaved(contenders, repeats)
     med = {k: statistics.median(n_tok / dt for dt, n_tok in v) for k, v in runs.items()}
     lengths = {k: statistics.mean(n_tok / n for _, n_tok in v) for k, v in runs.items()}
-    print(f"\n== varied lengths: N={n}, prompt {prompt}, up to {new} new, real tokens/s, median of {repeats}")
+    print(f"\n== varied lengths: N={n}, prompt {prompt}, up to {new} new, real tokens/s, "
+          f"{says(dtype, amp)}, median of {repeats}")
     print(f"brorl {med['brorl']:.0f} | generate {med['generate']:.0f} | {med['brorl'] / med['generate']:.2f}x"
           f" | floor: brorl {pct(model_gflop(params, med['brorl']) / floor)}, generate"
           f" {pct(model_gflop(params, med['generate']) / floor)}"
@@ -720,6 +789,12 @@ def main(argv=None):
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see tools/bench_trl.sh)")
+    ap.add_argument("--trl_ns", default="", help="with --trl: the N values, comma-separated, at "
+                    "which TRL runs (default every N; another N's ratio is extrapolated, said so)")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="the CPU parts sampler, varlen and step (default float32): bfloat16 runs "
+                    "brorl as brorl.py --dtype bfloat16 does (fp32 weights, bf16 autocast), "
+                    "generate with bf16 weights, TRL with bf16=True, the matmul floor in bf16")
     ap.add_argument("--save", default="", help="only write the bench model to this dir (with "
                     "--model: only its prompts.json and model_dir, the folder it resolved to)")
     ap.add_argument("--model", default="", help="time this model (a folder, hub id or alias) instead "
@@ -742,14 +817,20 @@ def main(argv=None):
         for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != "arith")):
             if given:
                 ap.error(f"{flag}: only with --model (the bench model's sizes are fixed: SIZES)")
-    ns = []
-    if args.ns:
-        try:
-            ns = [int(x) for x in args.ns.split(",")]
-        except ValueError:
-            pass
-        if not ns or min(ns) < 1:
-            ap.error(f"--ns {args.ns}: need positive integers, comma-separated (e.g. 64,512)")
+    if args.dtype and not args.child and args.part in ("gpu", "lora", "compiled"):
+        ap.error(f"--dtype {args.dtype}: only with --part sampler, varlen, step or all (--part "
+                 f"{args.part} has its own dtype: bf16 on CUDA, else fp32)")
+    ns, trl_ns = [], []
+    for flag, text, into in (("--ns", args.ns, ns), ("--trl_ns", args.trl_ns, trl_ns)):
+        if text:
+            try:
+                into.extend(int(x) for x in text.split(","))
+            except ValueError:
+                into.clear()
+            if not into or min(into) < 1:
+                ap.error(f"{flag} {text}: need positive integers, comma-separated (e.g. 64,512)")
+    if trl_ns and not args.trl:
+        ap.error(f"--trl_ns {args.trl_ns}: only with --trl")
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -766,7 +847,9 @@ def main(argv=None):
     if gpu and not torch.cuda.is_available() and not args.tiny:
         sys.exit("--part gpu needs CUDA (torch.cuda.is_available() is False); --tiny runs its driver on a CPU")
     device = torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if gpu else torch.float32
+    dtype = torch.bfloat16 if gpu or args.dtype == "bfloat16" else torch.float32
+    # --dtype bfloat16 on a CPU: brorl's side under autocast with fp32 weights, as brorl.py runs
+    amp = torch.bfloat16 if args.dtype == "bfloat16" and not gpu else None
     # OpenMP's wait policy moves every CPU figure (docs/results/speed.md#openmps-wait-policy): say which one this run had
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
@@ -787,9 +870,13 @@ def main(argv=None):
                   f"{dtype}; prompt {len(prompt)} tokens (--task {args.task}'s first)")
         else:
             arch = "0.5b" if gpu and not args.tiny else "tiny"
-            params = save_bench_model(path, arch, dtype)
+            # saved in fp32 where brorl's side keeps fp32 weights (amp): the weights fp32 runs use
+            params = save_bench_model(path, arch, torch.float32 if amp else dtype)
             tok = AutoTokenizer.from_pretrained(path)
             dims = ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"]
+        if trl_ns and not set(trl_ns) <= set(size["step_ns"]):
+            ap.error(f"--trl_ns {args.trl_ns}: each must be an N of the step "
+                     f"({','.join(map(str, size['step_ns']))})")
         # the floor before any part, in this process at its thread count (the step's children's)
         shape = (size["floor_rows"], *dims)
         floor = matmul_floor(device, dtype, *shape)
@@ -810,13 +897,15 @@ def main(argv=None):
             return
         if args.part in ("sampler", "all", "gpu"):
             bench_sampler(path, device, dtype, size["sampler"], args.repeats, tok, params, floor,
-                          prompt)
-        if args.part in ("varlen", "all", "gpu"):
-            bench_varlen(path, device, dtype, args.repeats, tok, params, floor, *size["varlen"])
+                          prompt, amp)
+        # a real model's "all" is what --model times: the sampler and the step
+        if args.part in ("varlen", "gpu") or (args.part == "all" and not args.model):
+            bench_varlen(path, device, dtype, args.repeats, tok, params, floor, *size["varlen"],
+                         amp=amp)
         if args.part in ("step", "all", "gpu"):
             trl = "" if gpu else args.trl  # bench_trl.py runs TRL on the CPU only
             bench_step(path, size["step_ns"], size["step_new"], args.micro_batch, args.steps, args.repeats,
-                       args.threads, params, floor, trl, prompts)
+                       args.threads, params, floor, trl, prompts, args.dtype, trl_ns)
         if gpu:
             bench_breadth(path, device, dtype, size["breadth_ns"], *size["breadth"], args.repeats,
                           tok, params, floor)

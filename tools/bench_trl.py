@@ -13,9 +13,12 @@ length. One "step" below is one generation batch, timed from optimizer step to o
 A real model (`--model_dir` its folder, `--prompts` the prompts.json that `python -m tools.bench
 --save DIR --model NAME` writes): a model with a chat template gets each prompt as the user's
 message, which TRL renders with that template, as brorl's sampler does (sampler.encode_prompt).
+`--dtype bfloat16` is GRPOConfig(bf16=True): accelerate's autocast around the model's forward
+(generation's included), the weights and AdamW fp32, as brorl's --dtype bfloat16.
 
   bash tools/bench_trl.sh                         # N=512, then N=64
   bash tools/bench_trl.sh --model smollm2-135m-instruct 64 --new 16 --micro_batch 32
+  bash tools/bench_trl.sh --model smollm2-135m-instruct 64 --new 16 --dtype bfloat16
   /tmp/trl-venv/bin/python tools/bench_trl.py --model_dir DIR --n 512 --steps 3
 """
 
@@ -92,6 +95,9 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="timed generation batches (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gradient_checkpointing", type=int, default=0, help="TRL's default is 1 (slower)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: GRPOConfig(bf16=True), TRL's mixed precision (accelerate's "
+                         "autocast; the weights and AdamW stay fp32, as brorl's --dtype bfloat16)")
     args = ap.parse_args(argv)
     args.prompts = Path(args.prompts or Path(args.model_dir) / "prompts.json")
     if not args.prompts.is_file():
@@ -122,7 +128,8 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)  # default attention: sdpa
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+            output_dir=out, use_cpu=True, bf16=args.dtype == "bfloat16", report_to="none",
+            save_strategy="no",
             logging_steps=1, disable_tqdm=True, seed=0, shuffle_dataset=False,
             num_generations=args.n, per_device_train_batch_size=args.micro_batch,
             steps_per_generation=micro_steps, gradient_accumulation_steps=micro_steps // args.minibatches,
@@ -141,8 +148,10 @@ def main():
     res = dict(n=args.n, step_s=med, completions_s=gen_batch / med,
                peak_rss_mb=peak_rss_mb(),
                steps=[round(x, 2) for x in step_s], gradient_checkpointing=args.gradient_checkpointing,
-               threads=torch.get_num_threads())  # as TRL left it (accelerate may change it)
-    print(f"TRL GRPOTrainer N={args.n}: {res['completions_s']:.0f} completions/s, {med:.2f} s per step "
+               threads=torch.get_num_threads(),  # as TRL left it (accelerate may change it)
+               dtype=args.dtype)
+    print(f"TRL GRPOTrainer N={args.n}, {args.dtype}: {res['completions_s']:.0f} completions/s, "
+          f"{med:.2f} s per step "
           f"({gen_batch} completions), peak RSS {res['peak_rss_mb']:.0f} MB; steps {res['steps']}")
     print("RESULT " + json.dumps(res))
 

@@ -7,6 +7,7 @@
 #   bash tools/bench_trl.sh --model smollm2-135m-instruct --task math:assets/smollm2/add2.jsonl 64 --new 16
 #                                           # a real model (a folder, hub id or alias) and its
 #                                           # task's first 2 prompts, as tools/bench.py --model
+#   bash tools/bench_trl.sh 64 --dtype bfloat16   # TRL's bf16=True (mixed precision, fp32 weights)
 #   python -m tools.bench --part step --trl /tmp/trl-venv/bin/python   # TRL interleaved with brorl
 #
 # Env: TRL_VENV (default /tmp/trl-venv), PYTHON (the project's python, default python3).

@@ -14,8 +14,10 @@ correct if either accepts (the ProRL recipe); verifier="math_verify" asks math-v
 arith, the embedded toy task ("123+456="): strip whitespace; keep what follows the last '=' (if
 any), stripped; it must be a plain integer (optional '-', ASCII digits, <= 32 chars) equal as an
 integer to the gold. sets (data.py): the same rule, the integer one of the gold's comma-separated
-right values. Unknown task or
-verifier: ValueError (caller error). The caller cuts a completion at its stop token.
+right values. A malformed gold scores every completion 0, never raises: an arith gold that is not
+such a plain integer, a sets gold with a value that is not one ('', 'a,b', '123,'), a gold that is
+not a string. Unknown task or verifier: ValueError (caller error). The caller cuts a completion at
+its stop token.
 
 Extraction, in order; each fallback can be switched off
   0. Only text after the last "</think>" counts; an unclosed "<think>" means no answer yet.
@@ -621,10 +623,25 @@ def _equiv(pred, gold):
 _PLAIN_INT = re.compile(r"-?[0-9]{1,32}")
 
 
-@functools.lru_cache(maxsize=4096)
 def _gold_set(gold):
-    """The sets task's right values: its gold "v1,v2,..." as a frozenset of ints."""
-    return frozenset(int(v) for v in gold.split(","))
+    """The sets task's right values: its gold "v1,v2,..." as a frozenset of ints. A malformed gold
+    (not a string, or a value that is not a plain integer once stripped: '', 'a,b', '123,') is the
+    empty set, which no completion is in: the verifier is total, a bad gold costs its rewards."""
+    return _parse_gold_set(gold) if isinstance(gold, str) else frozenset()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold_set(gold):
+    values = [v.strip() for v in gold.split(",")]
+    if not all(_PLAIN_INT.fullmatch(v) for v in values):
+        return frozenset()
+    return frozenset(int(v) for v in values)
+
+
+def _gold_int(gold):
+    """The arith task's right value, or None for a malformed gold (as _gold_set's): matches none."""
+    s = gold.strip() if isinstance(gold, str) else ""
+    return int(s) if _PLAIN_INT.fullmatch(s) else None
 
 
 def reward(completion, gold, task="math", verifier="rules"):
@@ -641,7 +658,7 @@ def _score(completion, gold, task, verifier):
         s = s[s.rfind("=") + 1:].strip()
         if len(s) > 32 or _PLAIN_INT.fullmatch(s) is None:
             return 0.0
-        return float(int(s) in _gold_set(gold) if task == "sets" else int(s) == int(gold))
+        return float(int(s) in _gold_set(gold) if task == "sets" else int(s) == _gold_int(gold))
     answer = extract_answer(completion)
     if answer is None:
         return 0.0

@@ -48,6 +48,7 @@ def load_policy(name: str, device, flag="--model"):
     if looks_local and not Path(name).expanduser().is_dir():
         fail(f"{flag} {name}: no such directory")
     check_model_config(Path(name).expanduser(), flag)
+    from huggingface_hub.errors import StrictDataclassError  # (transformers' config validation)
     try:
         check_embedding_shape(Path(name).expanduser(), flag)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
@@ -57,6 +58,8 @@ def load_policy(name: str, device, flag="--model"):
         files = (", ".join(f.name for f in sorted(Path(name).expanduser().glob("*.safetensors")))
                  or "its .safetensors")
         fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
+    except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
+        fail(f"{flag} {name}: its config.json is refused by transformers ({config_refusal(e)})")
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     except RuntimeError as e:  # a weight's shape is not its config's (transformers' own check)
@@ -70,6 +73,15 @@ def load_policy(name: str, device, flag="--model"):
         tok.pad_token = tok.eos_token
     check_tokenizer(tok, model, name, flag)
     return model.to(device), tok
+
+
+def config_refusal(e: Exception) -> str:
+    """The reason in a config validation error, which names the field: its last line, without the
+    inner error's type ("Validation error for field 'x':", then "TypeError: Field 'x' expected
+    int, got str")."""
+    last = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+    kind, sep, rest = last.partition(": ")
+    return (rest if sep and kind.isidentifier() and kind.endswith("Error") else last)[:200]
 
 
 def check_model_config(path: Path, flag: str):

@@ -23,7 +23,7 @@ import verify
 from lib import distributed, planner, pretrained
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
-from lib.policy import load_policy, split_revision
+from lib.policy import config_refusal, load_policy, split_revision
 from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
@@ -302,9 +302,12 @@ def plan(cfg) -> list:
     if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
         name = str(checkpoint_dir(name, "--model"))
     name, revision = split_revision(pretrained.resolve(name))  # an alias: its folder
+    from huggingface_hub.errors import StrictDataclassError  # (transformers' config validation)
     try:
         model_config = AutoConfig.from_pretrained(name, revision=revision)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
+    except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
+        fail(f"--model {name}: its config.json is refused by transformers ({config_refusal(e)})")
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
     positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for

@@ -5,9 +5,11 @@ greedy tokens are generate()'s, and the sampler's and the update's log-probs are
 Mistral and Gemma get a sliding window of 4 (prompts and responses run past it), Gemma 2 soft-caps
 its attention scores and its logits, small caps so that each matters. Then two training steps
 each; a run saved and resumed (Gemma 2; Phi-3 with LoRA on its fused projections); and a family
-that cannot be served refused with one line."""
+that cannot be served, or a config.json that transformers refuses, refused with one line."""
 
+import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import brorl
 import data
 import sampler
-from lib import planner, policy, step
+from lib import planner, policy, setup, step
 from test_brorl import run_in_process
 
 # The families, each a config class and what sets it apart from the common shape. Gemma keeps its
@@ -190,3 +192,27 @@ def test_a_family_it_cannot_serve_is_refused_with_one_line(tmp_path, capsys, fam
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
     assert str(path) in lines[0] and family_name in lines[0] and needle in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (dict(layer_types=["full_attention"]),
+     "`num_hidden_layers` (3) must be equal to the number of `layer_types` (1)"),
+    (dict(num_attention_heads="four"),
+     "Field 'num_attention_heads' expected int, got str (value: 'four')"),
+])
+def test_a_config_transformers_refuses_is_one_line(tmp_path, capsys, edit, reason):
+    """A config.json that transformers' own validation refuses (huggingface_hub's
+    StrictDataclassError, neither an OSError nor a ValueError): a run, and --plan, stop with one
+    line naming the model and the field, before --out is made."""
+    path = tmp_path / "model"
+    shutil.copytree(data.EMBEDDED_MODEL, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    line = f"error: --model {path}: its config.json is refused by transformers ({reason})"
+    code, err = run_in_process(capsys, "--model", str(path), "--steps", "1",
+                               "--out", str(tmp_path / "run"))
+    assert code == 2 and err.strip().splitlines() == [line], err[-2000:]
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as e:
+        setup.plan(brorl.parse_config(["--model", str(path), "--plan"]))
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [line]

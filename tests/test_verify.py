@@ -352,6 +352,21 @@ def test_rewards_arith_and_empty():
         rewards(["1"], [])
 
 
+@pytest.mark.parametrize("gold", ["", "a,b", "123,", ",", "5,,6", " , 5", "1_000", "0x7b", "+5",
+                                  "9" * 5000, None, 123, ["5"]])
+def test_a_malformed_gold_scores_zero_and_never_raises(gold):
+    """The verifier is total: a sets or arith gold that is not a (comma-separated list of) plain
+    integer(s) scores every completion 0, the right one included, through reward and rewards."""
+    completions = ["5", "123", "6", "-5", "", "1000", None]
+    for task in ("sets", "arith"):
+        assert rewards(completions, [gold] * len(completions), task=task) == [0.0] * 7
+        assert reward("123", gold, task) == 0.0
+    # A well-formed gold's values, spaced or not, still score (the rule is no wider than before).
+    assert rewards(["3", "5", "4", "-7"], ["3,5,-7"] * 4, task="sets") == [1.0, 1.0, 0.0, 1.0]
+    assert rewards(["3", "5"], [" 3 , 5 "] * 2, task="sets") == [1.0, 1.0]
+    assert reward("42", " 42\n", "arith") == 1.0
+
+
 def test_unknown_task_or_verifier_is_a_caller_error():
     with pytest.raises(ValueError, match="chess"):
         reward("\\boxed{1}", "1", task="chess")

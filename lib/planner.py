@@ -406,6 +406,7 @@ def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, repo
     (default: this run's). prompt_tokens: the longest prompt (default: the training set's, every row
     measured)."""
     prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
+    cfg = dataclasses.replace(cfg, dtype=policy.pick_dtype(cfg, device, model_config)[0])
     memory = cfg.memory_gb * GB or default_memory_bytes(device)
     K = world_size or distributed.world_size()  # the figures are one rank's
     say = print if distributed.is_main() else (lambda line: None)

@@ -143,8 +143,41 @@ def split_revision(name: str) -> tuple:
     return name, revision
 
 
+# --dtype auto on a CPU: bf16 only where the CPU computes it natively (AMX tiles or AVX512_BF16;
+# elsewhere bf16 is emulated, slower than fp32) and the model is wide enough to gain from it. At
+# hidden size 128 (the embedded models) 8 steps of the default job took 13.7 CPU s in bf16 against
+# 14.4 in fp32, no gain for inexact sampler log-probs; at SmolLM2-135M's 576 a step is about 2x
+# faster (docs/results/speed.md). The bound lies between the two.
+BF16_MIN_HIDDEN = 512
+
+
+def cpu_bf16() -> str:
+    """The instructions with which this CPU computes bf16 natively, as torch reports them ('AMX',
+    'AVX512_BF16'), or '' where it has neither."""
+    return ("AMX" if torch.cpu._is_amx_tile_supported()
+            else "AVX512_BF16" if torch.cpu._is_avx512_bf16_supported() else "")
+
+
+def pick_dtype(cfg, device, model_config) -> tuple:
+    """(--dtype made concrete, why): auto is bf16 autocast on CUDA, and on a CPU that computes bf16
+    natively for a model of hidden size >= BF16_MIN_HIDDEN; fp32 elsewhere. A run records its
+    choice in config.json, so that a resumed run keeps it on any machine."""
+    if cfg.dtype != "auto":
+        return cfg.dtype, "given"
+    if device.type != "cpu":
+        return ("bfloat16" if device.type == "cuda" else "float32"), f"on {device.type}"
+    hidden = getattr(model_config.get_text_config(), "hidden_size", 0) or 0
+    if not (isa := cpu_bf16()):
+        return "float32", "this CPU has neither AVX512_BF16 nor AMX: bf16 would be emulated"
+    if hidden < BF16_MIN_HIDDEN:
+        return "float32", (f"this CPU computes bf16 natively ({isa}), but at hidden size {hidden} "
+                           f"(< {BF16_MIN_HIDDEN}) no faster than fp32")
+    return "bfloat16", f"this CPU computes bf16 natively ({isa}); hidden size {hidden}"
+
+
 def compute_dtype(cfg, device) -> torch.dtype:
-    """--dtype as a torch dtype: auto is bf16 on CUDA, fp32 elsewhere."""
+    """--dtype as a torch dtype, once setup (pick_dtype) has made auto concrete; auto before that
+    is the device's default (bf16 on CUDA, fp32 elsewhere)."""
     return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 

@@ -230,6 +230,11 @@ def resumed_config(config_cls, overrides: dict, preset: str) -> dict:
     base = {k: float(v) if kinds[k] == (int, float) else v for k, v in base.items()}
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     base.update(missing_fields(run, base, overrides, defaults, notes))
+    if base["dtype"] == "auto" and "dtype" not in overrides:  # written before auto was recorded
+        base["dtype"] = ("bfloat16" if distributed.pick_device(base["device"]).type == "cuda"
+                         else "float32")
+        notes.append(f"--resume {run}: its config.json says --dtype auto, which then chose "
+                     f"{base['dtype']} on this device; it keeps {base['dtype']}")
     changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]
     if changed:  # each flag that changes the run: said first, recorded by record_changes
         notes.append(f"--resume {run}: " + ", ".join(f"--{k} {base[k]!r} -> {overrides[k]!r}"

@@ -23,7 +23,7 @@ import verify
 from lib import distributed, planner, pretrained
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
-from lib.policy import config_refusal, load_policy, split_revision
+from lib.policy import config_refusal, load_policy, pick_dtype, split_revision
 from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
@@ -50,6 +50,11 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     if flag == "--model" and is_run_dir(Path(policy)):  # a run: its ckpt/, or one line
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
+    # The run records the dtype it computes in; auto's choice is said with its reason.
+    dtype, why = pick_dtype(cfg, device, model.config)
+    if cfg.dtype == "auto" and distributed.is_main():
+        tqdm.write(f"--dtype auto: {dtype} ({why})")
+    cfg = dataclasses.replace(cfg, dtype=dtype)
     if cfg.system_prompt and not tok.chat_template:
         fail(f"--system_prompt: the tokenizer of {policy} has no chat template to put it in")
     positions = getattr(model.config, "max_position_embeddings", None)

@@ -22,6 +22,26 @@ COUNTS_ONLY_WITH = {name: ("alloc", "adaptive") for name in
                     ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")}
 
 
+# The range a float flag that enters a tensor must hold: 0, or a normal number of both dtypes a
+# run computes in, float32 (the weights, the update on a CPU) and bfloat16 (autocast). Both have 8
+# exponent bits: from float32's smallest normal number, 1.2e-38 (below it a subnormal loses its
+# digits, and bf16 hardware may flush it to 0), to bf16's largest, 3.39e38 (float32's is 3.40e38).
+NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.bfloat16).max)
+# The range of a scale that the loss both multiplies and divides by (SAPO's tau: tau (ratio - 1)
+# and 4 / tau, forward and backward; the temperature T: the logits / T, their gradient / T): the
+# square root of NORMAL's, 1.1e-19 to 1.8e19, so that the scale times the factors it meets (a
+# token's loss weight, an advantage, a logit, each within 19 decades of 1) stays a normal number.
+SCALE = (math.sqrt(NORMAL[0]), math.sqrt(NORMAL[1]))
+# The float flags that only Python's float64 reads (the planner's bytes, the clock, the adaptive
+# allocation's float64 counts), never a tensor of the run's dtypes: finite is their range.
+FLOAT64_ONLY = ("memory_gb", "time_budget", "alloc_decay")
+
+
+def outside(x: float, lo: float, hi: float) -> bool:
+    """Whether x is neither 0 nor lo <= |x| <= hi."""
+    return x != 0 and not lo <= abs(x) <= hi
+
+
 # Options of a training run that --eval_only, which trains nothing, would ignore.
 TRAINING_ONLY = ("train_prompts", "alloc", "rollout_budget", "min_rollouts", "max_rollouts",
                  "alloc_decay", "lora_rank", "lora_alpha", "lora_targets", "init_from",
@@ -70,8 +90,16 @@ def check_config(cfg) -> str:
     not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                   # An inf would pass a range check below, so it is caught here.
                   if f.type is float and not math.isfinite(getattr(cfg, f.name))]
+    floats = [f.name for f in dataclasses.fields(cfg)
+              if f.type is float and f.name not in FLOAT64_ONLY]
+    # The first value a float32 or a bfloat16 tensor would not hold (a flag a run computes with).
+    abnormal = next((f"--{name} {getattr(cfg, name):g}" for name in floats
+                     if outside(getattr(cfg, name), *NORMAL)), "")
     checks = [
         (not not_finite, f"flags must be finite numbers: {', '.join(not_finite)}"),
+        (not abnormal,
+         f"{abnormal}: not a number float32 and bfloat16 hold (need 0, or |x| from "
+         f"{NORMAL[0]:.2g} to {NORMAL[1]:.3g})"),
         # torch.manual_seed takes 64 bits; a larger seed would overflow inside it, after the checks
         (max(abs(cfg.seed), abs(cfg.eval_seed)) < 2**63,
          f"--seed {cfg.seed}, --eval_seed {cfg.eval_seed}: need |seed| < 2**63"),
@@ -79,6 +107,11 @@ def check_config(cfg) -> str:
          f"--long_prompts {cfg.long_prompts!r}: choose refuse, drop or allow"),
         (cfg.lr > 0, f"--lr {cfg.lr}: need lr > 0 (0 trains nothing)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: need >= 0"),
+        # AdamW multiplies each weight by 1 - lr x weight_decay a step: at or past 1, it zeroes or
+        # flips every weight.
+        (cfg.lr * cfg.weight_decay < 1,
+         f"--weight_decay {cfg.weight_decay:g}: need lr x weight_decay < 1 (--lr {cfg.lr:g}; "
+         "AdamW multiplies each weight by 1 - lr x weight_decay a step)"),
         (cfg.grad_clip > 0,
          f"--grad_clip {cfg.grad_clip}: need a max gradient norm > 0 "
          "(below 0 it flips the gradient, 0 zeroes it)"),
@@ -117,6 +150,10 @@ def check_config(cfg) -> str:
          f"--alloc_decay {cfg.alloc_decay}: need 0 < decay <= 1 (1: no decay)"),
         (cfg.max_new_tokens >= 1, f"--max_new_tokens {cfg.max_new_tokens}: need >= 1"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: need > 0 for rollouts"),
+        (not outside(cfg.temperature, *SCALE),
+         f"--temperature {cfg.temperature:g}: need {SCALE[0]:.2g} to {SCALE[1]:.2g} (the logits "
+         "are divided by it, their gradient too: past that, float32 and bfloat16 overflow or "
+         "underflow)"),
         # a nucleus draw would need the nucleus-renormalised log-prob on both sides of the ratio
         # (and a policy gradient through the nucleus's cut); the loss uses the full softmax's:
         # refuse, do not bias
@@ -129,6 +166,11 @@ def check_config(cfg) -> str:
          f"--loss {cfg.loss!r}: choose ppo, gspo, cispo or sapo"),
         (cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0,
          f"--sapo_tau_pos {cfg.sapo_tau_pos}, --sapo_tau_neg {cfg.sapo_tau_neg}: need both > 0"),
+        # The loss is sigmoid(tau (ratio - 1)) 4 / tau, its gradient tau's and 4 / tau's product.
+        (not any(outside(t, *SCALE) for t in (cfg.sapo_tau_pos, cfg.sapo_tau_neg)),
+         f"--sapo_tau_pos {cfg.sapo_tau_pos:g}, --sapo_tau_neg {cfg.sapo_tau_neg:g}: need both "
+         f"from {SCALE[0]:.2g} to {SCALE[1]:.2g} (the loss computes tau and 4 / tau: past that, "
+         "float32 and bfloat16 overflow or underflow)"),
         (0 <= cfg.gspo_clip_low < 1 and cfg.gspo_clip_high >= 0,
          "--gspo_clip_low must be in [0, 1), --gspo_clip_high >= 0"),
         (cfg.clip_ratio_c > 1,

@@ -420,6 +420,11 @@ STUDIES = [  # (study, flags, what is in --raw, the one line's needle)
     ("theorem1_study", ["--report"], lambda raw: (raw_file('{"step": 0}\n', "nalone/N=16,B=8")(raw),
                                                   (raw / "report.md").mkdir()),
      "--raw {tmp}/raw: {tmp}/raw/report.md is not a writable file"),
+    ("allocation_study", ["--report", "--raw", "{tmp}/gone"], None,
+     "--raw {tmp}/gone: no raw files of this study to report on"),
+    ("theorem1_study", ["--report", "--raw", "{tmp}/gone"], None,
+     "--raw {tmp}/gone: no raw files of this study to report on"),
+    ("allocation_study", ["--out", "{tmp}/file"], None, "--out {tmp}/file: cannot make it"),
     ("allocation_study", ["--report"], raw_file('{"step": 0}\n'),
      "keys/N=16/seed0.jsonl holds no row with the exact Q (mass_exact_mean): not a run of this study"),
 ]

@@ -103,3 +103,59 @@ def test_report_counts_zones_and_falls(tmp_path):
     text = census.report([tmp_path / "a", tmp_path / "b"])
     assert "- window -> low: 1" in text and "- high -> window: 1" in text
     assert "Q fell on 2 prompts" in text
+
+
+def records(n: int, samples: int = 8, drop: str = "") -> str:
+    """A census.jsonl of n prompts, each record without the field `drop`."""
+    rows = [dict(index=i, prompt=f"p{i}", answer="1", right=i, samples=samples, mean_len=4.0,
+                 truncated=0) for i in range(n)]
+    return "".join(json.dumps({k: v for k, v in r.items() if k != drop}) + "\n" for r in rows)
+
+
+def refused(capsys, argv: list) -> str:
+    """census.main(argv)'s refusal: exit status 2, one line on stderr, no traceback; that line."""
+    with pytest.raises(SystemExit) as stop:
+        census.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err.strip()
+
+
+@pytest.mark.parametrize("head, rows, said", [
+    ('{"samples": 8, "argv": ["--eval', records(2), "census.json: unreadable"),  # cut
+    ('["not", "a", "header"]', records(2), "census.json: not a census's header"),  # foreign
+    ('{"argv": []}', records(2), "census.json: not a census's header"),  # no samples
+    ('{"samples": 8}', records(2, drop="mean_len"),
+     "census.jsonl, line 1: not this census's record of prompt 0 (it lacks mean_len)"),
+    ('{"samples": 8}', records(2).replace('"mean_len": 4.0', '"mean_len": "4"'),
+     "census.jsonl, line 1: not this census's record of prompt 0"),
+    ('{"samples": 8}', records(2)[:-20], "census.jsonl, line 2: not this census's record"),
+])
+def test_a_cut_or_foreign_census_or_a_record_without_a_field_is_one_line(tmp_path, capsys, head,
+                                                                         rows, said):
+    """--report over a census.json cut short or of something else (once a JSONDecodeError, a
+    TypeError), records without a field the report reads (once a KeyError on mean_len), and the
+    same folder as a census's --out: one line naming the file, nothing rewritten."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "census.json").write_text(head)
+    (folder / "census.jsonl").write_text(rows)
+    assert said in refused(capsys, ["--report", str(folder)])
+    if head.startswith('{"samples": 8, "argv'):  # the cut header, as a census's --out
+        line = refused(capsys, ["--out", str(folder), "--samples", "8", "--", *TINY])
+        assert "census.json: unreadable" in line
+    assert (folder / "census.json").read_text() == head and \
+        (folder / "census.jsonl").read_text() == rows
+
+
+def test_an_out_that_is_a_file_or_a_bad_task_is_one_line_before_out_is_made(tmp_path, capsys):
+    """--out a file (once a FileExistsError after the model loaded) and a --task that is not
+    there (once refused after --out was made): one line, --out as it was."""
+    line = refused(capsys, ["--out", str(tmp_path / "new"), "--samples", "8", "--", *TINY,
+                            "--task", f"math:{tmp_path / 'none.jsonl'}"])
+    assert f"--task math:{tmp_path / 'none.jsonl'}" in line and not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("mine")
+    line = refused(capsys, ["--out", str(tmp_path / "file"), "--", *TINY])
+    assert f"--out {tmp_path / 'file'}: cannot make it (a file is in the way)" in line
+    assert (tmp_path / "file").read_text() == "mine"

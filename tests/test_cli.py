@@ -137,6 +137,47 @@ def test_unwritable_out_fails_cleanly(tmp_path, capsys):
     assert code != 0 and f"--out {blocker / 'run'}: cannot write there" in err
 
 
+FLOATS = [f.name for f in dataclasses.fields(brorl.Config) if f.type is float]
+EXTREMES = ["0", "1e-40", "-1e-40", "1e39", "-1e39", "nan", "inf", "-inf", "-1"]
+# What a flag needs beside it to count (else it is refused as changing nothing).
+BESIDE = {"alloc_decay": ["--alloc", "adaptive"]}
+
+
+def holds(x: float, dtype) -> bool:
+    """Whether a tensor of dtype holds x as what it is: finite, and 0 or a normal number (a
+    subnormal has lost digits, and bf16 hardware may flush it to 0)."""
+    t = torch.tensor(x, dtype=torch.float64).to(dtype)
+    return bool(t.isfinite()) and (x == 0 or t.abs().item() >= torch.finfo(dtype).tiny)
+
+
+def computable(name: str, x: float) -> bool:
+    """Whether a run computes with --name x: the dtypes that read it hold it (float64 for the flags
+    only Python reads: the planner's memory, the clock, the allocation's counts; float32 and
+    bfloat16 for the rest), and SAPO's 4 / tau and the logits' 1 / T too."""
+    dtypes = ([torch.float64] if name in ("memory_gb", "time_budget", "alloc_decay")
+              else [torch.float32, torch.bfloat16])
+    derived = {"sapo_tau_pos": 4, "sapo_tau_neg": 4, "temperature": 1}
+    values = [x] + ([derived[name] / x] if name in derived and x else [])
+    return all(holds(v, dt) for v in values for dt in dtypes)
+
+
+@pytest.mark.parametrize("name", FLOATS)
+def test_every_float_flag_at_its_extremes_is_one_line_or_computable(capsys, name):
+    """Each float flag of the Config at 0, a subnormal, past float32's range, nan, inf and
+    negative: either one line naming the flag (exit status 2, at parse time, before any work) or a
+    config whose value the run's dtypes hold (--sapo_tau_pos 1e39 once overflowed float32 at step 1,
+    1e-40 stopped on a NaN gradient, both after the step-0 evaluation)."""
+    for value in EXTREMES:
+        try:
+            cfg = brorl.parse_config([f"--{name}", value, *BESIDE.get(name, [])])
+        except SystemExit as stop:
+            err = capsys.readouterr().err
+            assert stop.code == 2 and len(err.strip().splitlines()) == 1, (value, err)
+            assert f"--{name}" in err and "Traceback" not in err, (value, err)
+            continue
+        assert computable(name, getattr(cfg, name)), (name, value)
+
+
 def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         brorl.parse_config(["--help"])

@@ -145,6 +145,53 @@ def test_sapo_matches_the_papers_objective_and_is_the_policy_gradient_on_policy(
     torch.testing.assert_close(g_on, -adv[:, None] * w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("edge", [0, 1], ids=["smallest", "largest"])
+def test_sapo_at_its_accepted_temperatures_is_finite_and_on_policy_the_policy_gradient(dtype, edge):
+    """At the edges of the taus the checks accept (lib/checks.SCALE), in float32 and bfloat16 (the
+    dtypes a run computes in): the loss is finite and its gradient at ratio 1 is still the policy
+    gradient, -A w on each valid token, whatever the 4 / tau and the tau it passes through."""
+    from lib import checks
+    logp, _, adv, mask = _batch(7)
+    adv = adv * 3  # (r,) advantages past 2, as a group with one right rollout in 16 has
+    tau = checks.SCALE[edge]
+    cfg = brorl.Config(loss="sapo", sapo_tau_pos=tau, sapo_tau_neg=tau)
+    x, a = logp.to(dtype), adv.to(dtype)  # (r, T), (r,)
+    w = brorl.loss_weights(mask, "sequence", dtype=dtype)  # (r, T)
+
+    def on_policy(y):
+        loss = brorl.token_loss(y, x, x, None, a, mask, w, cfg)[0]  # (r, T)
+        assert loss.isfinite().all()
+        return loss.sum()
+
+    _, g = _grad(on_policy, x)
+    torch.testing.assert_close(g.double(), (-adv[:, None] * w.double()), rtol=1e-2, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sapo_run_at_extreme_temperatures_is_refused_or_steps_without_nan(tmp_path, capsys,
+                                                                              dtype):
+    """--sapo_tau_pos / _neg at 1e-40 and 1e39 (once a NaN gradient, and float32's overflow, both
+    at step 1, after the step-0 evaluation was written) are one line at parse time; at the edges
+    that are accepted, one real step of a tiny run trains, its gradient finite."""
+    from test_brorl import SMALL
+    for tau in ("1e-40", "1.1e-19", "1.8e19", "1e39"):
+        flags = ["--loss", "sapo", "--sapo_tau_pos", tau, "--sapo_tau_neg", tau]
+        capsys.readouterr()  # the last run's progress, apart
+        try:
+            cfg = brorl.parse_config([*flags, "--dtype", dtype, "--steps", "1", "--eval_every", "1",
+                                      "--save", "false", "--out", str(tmp_path / tau), *SMALL])
+        except SystemExit as stop:
+            err = capsys.readouterr().err
+            assert stop.code == 2 and len(err.strip().splitlines()) == 1, err
+            assert "--sapo_tau_pos" in err and tau in ("1e-40", "1e39"), err
+            continue
+        rows = brorl.train(cfg)
+        step_row = next(r for r in rows if r["step"] == 1 and "grad_norm" in r)
+        assert math.isfinite(step_row["grad_norm"]) and step_row["grad_norm"] > 0, step_row
+
+
 def test_dr_grpo_constant_normaliser_and_no_std():
     """Dr. GRPO: advantages r - mean_group(r); the loss summed over tokens and divided by a constant,
     the generation budget times the rows, whatever the responses' lengths."""

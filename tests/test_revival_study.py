@@ -258,3 +258,33 @@ def test_early_flags_are_checked_before_any_run(tmp_path, flags, said, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--prompts", "300"], "--prompts 300: the sets task holds 256 prompts"),
+    (["--only", "arms"], "no plateau yet"),
+])
+def test_what_the_driver_can_know_is_one_line_before_out_or_the_lock(tmp_path, flags, said,
+                                                                     capsys, monkeypatch):
+    """--prompts past the sets task's 256 (once refused by each spawned trunk run, its reason in
+    a log alone) and --only arms with no plateau yet (once refused after --out and its lock were
+    made): one line, exit 2, nothing made, no run started."""
+    from tools import study as skeleton
+    monkeypatch.setattr(skeleton.ChunkedRun, "advance", lambda *a: pytest.fail("a run started"))
+    monkeypatch.setattr(skeleton, "run_jobs", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as e:
+        study.main([*flags, "--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "raw").exists()
+
+
+def test_a_report_over_a_missing_or_empty_raw_is_one_line(tmp_path, capsys):
+    """--report over a --raw that is not there, or empty: one line, nothing written."""
+    (tmp_path / "empty").mkdir()
+    for raw in (tmp_path / "missing", tmp_path / "empty"):
+        with pytest.raises(SystemExit) as e:
+            study.main(["--report", "--raw", str(raw)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "nothing to report" in err, err
+    assert not (tmp_path / "missing").exists() and not any((tmp_path / "empty").iterdir())

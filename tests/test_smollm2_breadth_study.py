@@ -33,6 +33,13 @@ def write_raw(raw: Path, arm: str, seed: int, rows: list):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def census_records(n: int, samples: int = 512, drop: str = "") -> str:
+    """A census.jsonl of n prompts (tools/census.py's records), without the field `drop`."""
+    rows = [dict(index=i, prompt=f"p{i}", answer="1", right=i, samples=samples, mean_len=4.0,
+                 truncated=0) for i in range(n)]
+    return "".join(json.dumps({k: v for k, v in r.items() if k != drop}) + "\n" for r in rows)
+
+
 def test_arms_share_everything_but_n_and_b(tmp_path):
     jobs = study.jobs(list(study.ARMS), [3], 4, tmp_path / "out", tmp_path / "raw")
     flags = {j.name.split()[0]: dict(zip(j.argv[::2], j.argv[1::2])) for j in jobs}
@@ -75,9 +82,9 @@ def test_end_censuses_census_each_runs_end_with_the_base_censuses_flags(tmp_path
         torch.save(dict(step=4), out / arm / "seed0" / "ckpt" / "trainer_state.pt")
     full = raw / "census-arm-n64-s0"
     full.mkdir()
-    (full / "census.json").write_text(json.dumps(dict(argv=[
+    (full / "census.json").write_text(json.dumps(dict(samples=512, argv=[
         *study.CENSUS_FLAGS, "--model", str(out / "n64" / "seed0" / "ckpt")])))
-    (full / "census.jsonl").write_text("{}\n{}\n")
+    (full / "census.jsonl").write_text(census_records(2))
     calls = []
     monkeypatch.setattr("subprocess.run", lambda argv, **kw: calls.append((argv, kw["env"])) or
                         type("Done", (), dict(returncode=0))())
@@ -92,7 +99,7 @@ def test_end_censuses_census_each_runs_end_with_the_base_censuses_flags(tmp_path
     with pytest.raises(SystemExit) as e:
         study.end_censuses(["n64"], [0], 3, out, raw, 1)
     assert e.value.code == 2 and "its checkpoint is at step 2" in capsys.readouterr().err
-    (full / "census.json").write_text(json.dumps(dict(argv=["--model", "elsewhere"])))
+    (full / "census.json").write_text(json.dumps(dict(samples=512, argv=["--model", "elsewhere"])))
     with pytest.raises(SystemExit):
         study.end_censuses(["n64"], [0], 3, out, raw, 1)
     assert "a census of --model elsewhere, not of" in capsys.readouterr().err
@@ -218,3 +225,61 @@ def test_bad_flags_are_named_before_any_run(tmp_path, flags, said, capsys, monke
         study.main(["--out", str(tmp_path / "out"), "--raw", str(tmp_path / "raw"), *flags])
     assert e.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def base_census(raw: Path, head: str = None, records: str = None):
+    """<raw>/census-base: a census header and records, each replaced by the text given."""
+    (raw / "census-base").mkdir(parents=True)
+    (raw / "census-base" / "census.json").write_text(
+        head or json.dumps(dict(samples=512, argv=study.CENSUS_FLAGS)) + "\n")
+    (raw / "census-base" / "census.jsonl").write_text(records or census_records(3))
+
+
+@pytest.mark.parametrize("making, said", [
+    (None, "--raw {raw}: no raw files of this study to report on"),  # missing
+    (lambda raw: raw.mkdir(), "--raw {raw}: no raw files of this study to report on"),  # empty
+    (lambda raw: base_census(raw, head='{"samples": 512, "argv": ["--pre'),
+     "census-base/census.json: unreadable"),  # cut
+    (lambda raw: base_census(raw, head='["a list"]'), "census-base/census.json: not a census's "
+                                                      "header"),  # foreign
+    (lambda raw: base_census(raw, records=census_records(3, drop="mean_len")),
+     "census-base/census.jsonl, line 1: not this census's record of prompt 0 (it lacks "
+     "mean_len)"),
+])
+def test_a_report_over_nothing_or_a_broken_census_is_one_line_and_writes_nothing(
+        tmp_path, capsys, making, said):
+    """--report over a missing or empty --raw (once a FileNotFoundError, and a title-only report
+    with exit 0), a census.json cut short or not a census's (once a JSONDecodeError), records
+    without a field the report reads (once a KeyError): one line, exit 2, nothing written."""
+    raw = tmp_path / "raw"
+    if making:
+        making(raw)
+    before = sorted(raw.rglob("*")) if raw.exists() else None
+    with pytest.raises(SystemExit) as e:
+        study.main(["--report", "--raw", str(raw)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert said.format(raw=raw) in err, err
+    assert (sorted(raw.rglob("*")) if raw.exists() else None) == before
+
+
+def test_a_census_that_cannot_go_on_is_one_line_before_out_or_the_lock_is_made(tmp_path, capsys,
+                                                                              monkeypatch):
+    """--census K with a census folder of another model, or cut short, beside a run whose raw
+    file is there: one line before --out and its lock are made (once after, by the driver inside
+    its lock)."""
+    monkeypatch.setattr(study.study, "run_jobs", lambda *a: pytest.fail("a run was started"))
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write_raw(raw, "n16", 0, run_rows(0.25, [0, 1]))
+    folder = raw / "census-arm-n16-s0"
+    folder.mkdir()
+    for head, said in [(json.dumps(dict(samples=512, argv=["--model", "elsewhere"])),
+                        "a census of --model elsewhere, not of"),
+                       ('{"samples": 5', "census.json: unreadable")]:
+        (folder / "census.json").write_text(head)
+        with pytest.raises(SystemExit) as e:
+            study.main(["--out", str(out), "--raw", str(raw), "--arms", "n16", "--seeds", "0",
+                        "--census", "2"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()

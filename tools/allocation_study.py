@@ -126,8 +126,7 @@ def read(raw: Path) -> dict:
     runs = {task: {arm: seeds for arm, seeds in arms.items() if arm in ARMS}
             for task, arms in study.read_raw(raw, groups=TASKS).items()}
     if not any(runs.values()):
-        fail(f"--raw {raw}: no raw files of this study to report on "
-             "(<raw>/<task>/<arm>/seed<S>.jsonl); run it first")
+        study.nothing_to_report(raw, "<raw>/<task>/<arm>/seed<S>.jsonl")
     for task, arms in runs.items():
         for arm, seeds in arms.items():
             for seed, rows in seeds.items():

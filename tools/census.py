@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from lib.errors import fail
+from tools import study
 
 HIGH, LOW = 1 / 16, 1 / 2048  # the zones' bounds: N = 16's reach and N = 512's 4-draw reach
 KS = (1, 4, 16, 64, 256, 512)  # the pass@k a census reports (k <= its samples)
@@ -77,6 +78,33 @@ def pass_at_k(right: int, n: int, k: int) -> float:
 # The census: one prompt at a time, rewritten whole after each
 
 
+# A record's fields, each with the types it may hold: what the report reads of every prompt.
+RECORD = dict(index=(int,), prompt=(str,), answer=(str,), right=(int,), samples=(int,),
+              mean_len=(int, float), truncated=(int,))
+
+
+def read_header(head_path: Path) -> dict:
+    """A census folder's census.json (the command that made it: samples, argv, ...), or one line
+    naming it: unreadable, cut short, or not a census's header (no whole number of samples)."""
+    try:
+        head = json.loads(head_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        fail(f"{head_path}: unreadable ({getattr(e, 'msg', None) or e}); not a census's header "
+             "(give another folder)")
+    if not (isinstance(head, dict) and type(head.get("samples")) is int and head["samples"] >= 1):
+        fail(f"{head_path}: not a census's header (no whole number of samples >= 1); give "
+             "another folder")
+    return head
+
+
+def is_record(row, n: int, samples: int) -> bool:
+    """Whether row is a census's record of prompt n - 1 at `samples` samples, every field there."""
+    return (isinstance(row, dict)
+            and all(type(row.get(k)) in kinds for k, kinds in RECORD.items())
+            and row["index"] == n - 1 and row["samples"] == samples
+            and 0 <= row["right"] <= samples and 0 <= row["truncated"] <= samples)
+
+
 def read_records(path: Path, header: dict) -> list:
     """The prompts a census in `path`'s folder has recorded, checked against this command's
     header; a record that is not this census's stops with one line."""
@@ -85,23 +113,25 @@ def read_records(path: Path, header: dict) -> list:
         if path.exists():
             fail(f"{path}: no census.json beside it; not a census folder (give another --out)")
         return []
-    try:
-        old = json.loads(head_path.read_text())
-    except (OSError, ValueError) as e:
-        fail(f"{head_path}: unreadable ({e}); give another --out")
+    old = read_header(head_path)
     if old != header:
         keys = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
         fail(f"{head_path}: another census ({', '.join(keys)} differ); give another --out")
     rows = []
     if path.exists():
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})")
+        for n, line in enumerate(lines, 1):
             try:
                 row = json.loads(line)
-                ok = row["index"] == n - 1 and 0 <= row["right"] <= row["samples"]
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            if not ok or row["samples"] != header["samples"]:
-                fail(f"{path}, line {n}: not this census's record of prompt {n - 1}")
+            except ValueError:
+                row = None
+            if not is_record(row, n, header["samples"]):
+                missing = [k for k in RECORD if isinstance(row, dict) and k not in row]
+                fail(f"{path}, line {n}: not this census's record of prompt {n - 1}"
+                     + (f" (it lacks {missing[0]})" if missing else ""))
             rows.append(row)
     return rows
 
@@ -113,10 +143,11 @@ def run_census(out: Path, samples: int, brorl_args: list, first: int = None):
     cfg = brorl.parse_config(brorl_args)
     header = dict(samples=samples, argv=brorl_args, temperature=cfg.temperature, top_p=cfg.top_p,
                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "census.jsonl"
     rows = read_records(path, header)
+    # The model and --task read (a refusal of either one line) before --out is made.
     cfg, _, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
+    study.make_folders(out)
     write_atomic(out / "census.json", json.dumps(header) + "\n")
     print(f"census: {len(eval_set)} prompts, {samples} samples each at T = {cfg.temperature}; "
           f"{len(rows)} recorded")
@@ -180,9 +211,9 @@ def moves(before: list, after: list) -> dict:
 def load(folder) -> list:
     """A census folder's records, checked against its own header; one line if it has none."""
     path, head = Path(folder) / "census.jsonl", Path(folder) / "census.json"
-    if not head.exists() or not path.exists():
+    if not head.is_file() or not path.is_file():
         fail(f"{folder}: no census.json and census.jsonl there")
-    rows = read_records(path, json.loads(head.read_text()))
+    rows = read_records(path, read_header(head))
     if not rows:
         fail(f"{folder}: its census.jsonl records no prompt")
     return rows
@@ -257,6 +288,8 @@ def main(argv=None):
         p.error(f"--samples {a.samples}: at least 1")
     if a.first is not None and a.first < 1:
         p.error(f"--first {a.first}: at least 1")
+    # A file where the folder goes, or one there it cannot rewrite: one line, before any work.
+    study.check_folder("--out", Path(a.out), files=("census.json", "census.jsonl"))
     run_census(Path(a.out), a.samples, brorl_args, a.first)
 
 

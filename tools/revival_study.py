@@ -57,6 +57,7 @@ import math
 import statistics
 from pathlib import Path
 
+import data
 from lib.errors import fail
 from lib.rundir import write_atomic
 from tools import stats, study
@@ -229,12 +230,18 @@ def arm_jobs(out: Path, raw: Path, seeds: list, cap: float, n: int = N_PROMPTS) 
 def arms(out: Path, raw: Path, seeds: list, jobs: int, cap: float, n: int = N_PROMPTS):
     """Every arm's runs, `jobs` at a time, each run's metrics.jsonl copied to its raw file when it
     ends. A rerun skips the runs whose raw file exists."""
+    check_plateau(out, raw, n)
+    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, cap, n), jobs))
+
+
+def check_plateau(out: Path, raw: Path, n: int = N_PROMPTS):
+    """The arms' branch point: the plateau's record and the trunk's checkpoint there; else one
+    line (main checks it for --only arms before --out or the lock is made)."""
     name = trunk_name(n)
     branch = out / f"{name}-branch"
     if not (raw / name / "plateau.json").is_file() or not (branch / "ckpt").is_dir():
         fail(f"no plateau yet ({raw / name / 'plateau.json'}, {branch / 'ckpt'}): run the trunk "
              "first (--only trunk)")
-    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, cap, n), jobs))
 
 
 # ----------------------------------------------------------------------------
@@ -716,6 +723,10 @@ def main(argv=None):
     if a.window < 3 * EVAL_EVERY:
         fail(f"--window {a.window}: the plateau rule fits a line to the evaluations of the last "
              f"--window steps, one every {EVAL_EVERY}: it needs >= {3 * EVAL_EVERY} (3 of them)")
+    # The trunk's runs train on the set's first n prompts: past the set, they would refuse, each
+    # in its own log.
+    if a.prompts > data.SETS_N:
+        fail(f"--prompts {a.prompts}: the sets task holds {data.SETS_N} prompts")
     study.finite_positive("--trunk_cap", a.trunk_cap)  # CPU seconds
     study.finite_positive("--cap", a.cap)
     study.check_seeds(a.seeds)
@@ -758,6 +769,8 @@ def main(argv=None):
         run.check()
     if a.only in (None, "arms"):
         study.pending(arm_jobs(out, raw, a.seeds, a.cap, a.prompts))
+    if a.only == "arms":  # (with the trunk, its plateau is looked for once it has run)
+        check_plateau(out, raw, a.prompts)
     study.make_folders(raw, out)
     with study.DriverLock(out):  # one driver at a time on --out
         if a.only in (None, "trunk"):

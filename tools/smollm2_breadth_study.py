@@ -69,13 +69,21 @@ def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
 
 def end_census_problem(arm: str, seed: int, out: Path, raw: Path) -> str:
     """Why the census of this arm run's end cannot go on, or '': its census folder must hold a
-    census of this run's checkpoint (census.py's header: the flags after --), and the checkpoint
-    must be the raw file's last step with no live run in its folder."""
+    census of this run's checkpoint (census.py's header: the flags after --, and its records
+    whole; one that is not a census at all is census.py's one line), and once the run has ended
+    (its raw file there), the checkpoint must be the raw file's last step with no live run in its
+    folder."""
     run_dir, rows = out / arm / f"seed{seed}", raw / "arms" / arm / f"seed{seed}.jsonl"
     head = raw / f"census-arm-{arm}-s{seed}" / "census.json"
     want = [*CENSUS_FLAGS, "--model", str(run_dir / "ckpt")]
-    if head.is_file() and (have := study.read_json(head, ("argv",))["argv"]) != want:
-        return f"{head}: a census of {' '.join(have)}, not of {want[-1]}: move it away"
+    if head.is_file():
+        header = census.read_header(head)
+        if (have := header.get("argv")) != want:
+            return (f"{head}: a census of {' '.join(map(str, have or ['nothing']))}, not of "
+                    f"{want[-1]}: move it away")
+        census.read_records(head.with_name("census.jsonl"), header)
+    if not rows.is_file():  # (a run still to do: its end is checked when it has ended)
+        return ""
     if holder := study.lock_holder(run_dir):
         return f"{run_dir}: a live run (pid {holder}) holds it"
     end, step = study.raw_rows(rows)[-1]["step"], study.ChunkedRun.checkpoint_step(run_dir)
@@ -94,13 +102,9 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
     import concurrent.futures
     import subprocess
     import sys
-    recorded = lambda f: len(f.read_text().splitlines()) if f.is_file() else 0
-    todo = [(arm, s) for s in seeds for arm in arms
-            if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()
-            and recorded(raw / f"census-arm-{arm}-s{s}" / "census.jsonl") < first]
-    for arm, s in todo:
-        if problem := end_census_problem(arm, s, out, raw):
-            fail(f"census of {arm} seed {s}: {problem}")
+    todo = [(arm, s) for arm, s in censuses_to_do(arms, seeds, first, raw)
+            if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()]
+    check_end_censuses(todo, out, raw)
 
     def one(arm_seed) -> str:
         arm, s = arm_seed
@@ -119,6 +123,22 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
 
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         return [line for line in pool.map(one, todo) if line]
+
+
+def censuses_to_do(arms: list, seeds: list, first: int, raw: Path) -> list:
+    """The (arm, seed) pairs whose end census has fewer than `first` prompts recorded, seed by
+    seed."""
+    recorded = lambda f: len(f.read_text().splitlines()) if f.is_file() else 0
+    return [(arm, s) for s in seeds for arm in arms
+            if recorded(raw / f"census-arm-{arm}-s{s}" / "census.jsonl") < first]
+
+
+def check_end_censuses(pairs: list, out: Path, raw: Path):
+    """The first end census of `pairs` that cannot go on (end_census_problem), as one line: run in
+    main before --out or the lock is made (the runs still to do are checked again once ended)."""
+    for arm, s in pairs:
+        if problem := end_census_problem(arm, s, out, raw):
+            fail(f"census of {arm} seed {s}: {problem}")
 
 
 def plan(todo: list, steps: int, censuses: int = 0, first: int = 0) -> str:
@@ -325,13 +345,15 @@ def arm_census_lines(found: list) -> list:
 
 
 def report(raw: Path) -> str:
-    data = read(raw)
+    data, found = read(raw), censuses(raw)
+    if not data and not any(found):  # (a missing or empty --raw: no report of nothing)
+        study.nothing_to_report(raw, "<raw>/arms/<arm>/seed<S>.jsonl, <raw>/census-*/census.json")
     lines = ["# Breadth on SmolLM2-135M-Instruct: the raw files' numbers", ""]
     if data:
         lines += ["## The arms (held-out: 32 prompts x 4 samples at T 0.6, top_p 0.95)", ""]
         # n64 against n16 (breadth at equal B) and against n16b16 (at equal kept rollouts)
         lines += arm_table(data) + tests(data) + tests(data, "n16b16", ["n64"]) + preset_lines()
-    return "\n".join(lines + census_section(*censuses(raw))).rstrip() + "\n"
+    return "\n".join(lines + census_section(*found)).rstrip() + "\n"
 
 
 def figure(raw: Path, path: Path):
@@ -416,6 +438,8 @@ def main(argv=None):
     study.check_folder("--out", out)
     read(raw)
     todo = study.pending(jobs(args.arms, args.seeds, args.steps, out, raw))
+    if args.census:  # each census folder, and each ended run's, before --out and the lock
+        check_end_censuses(censuses_to_do(args.arms, args.seeds, args.census, raw), out, raw)
     print(plan(todo, args.steps, args.census and len(args.arms) * len(args.seeds),
                args.census or 0), flush=True)
     study.make_folders(raw, out)

@@ -264,6 +264,21 @@ def read_raw(raw: Path, groups=None) -> dict:
     return out
 
 
+def nothing_to_report(raw: Path, layout: str):
+    """A --report over a --raw that holds none of this study's files (missing, empty, another
+    study's): one line naming the files it looks for, before anything is written, so that a
+    report of nothing never replaces one."""
+    fail(f"--raw {raw}: no raw files of this study to report on ({layout}); run it first")
+
+
+def raw_to_report(raw: Path, layout: str, groups=None) -> dict:
+    """read_raw's {group: {arm: {S: rows}}} for a --report; none of this study's: one line."""
+    data = read_raw(raw, groups)
+    if not any(data.values()):
+        nothing_to_report(raw, layout)
+    return data
+
+
 def raw_seed(path: Path) -> int:
     """The seed a raw file's name holds, or one line."""
     if not path.stem[4:].isdigit():

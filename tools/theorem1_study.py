@@ -85,11 +85,7 @@ def jobs(sweeps: list, seeds: list, steps: dict, out: Path, raw: Path, cap: floa
 
 def read(raw: Path) -> dict:
     """{sweep: {config: {seed: rows}}} from the raw files; none of this study's: one line."""
-    data = study.read_raw(raw, groups=SWEEPS)
-    if not data:
-        fail(f"--raw {raw}: no raw files of this study to report on "
-             "(<raw>/<sweep>/<config>/seed<S>.jsonl); run it first")
-    return data
+    return study.raw_to_report(raw, "<raw>/<sweep>/<config>/seed<S>.jsonl", groups=SWEEPS)
 
 
 def sets_measures(rows: list, n: int, b: int, prompts: int = 256) -> dict:

@@ -89,6 +89,7 @@ def test_the_floor_is_measured_in_the_dtype_the_parts_run_in(monkeypatch):
     (["--part", "lora", "--dtype", "bfloat16"], "--dtype bfloat16: only with --part"),
     (["--part", "gpu", "--tiny", "--dtype", "float32"], "--dtype float32: only with --part"),
     (["--part", "step", "--tiny", "--trl_ns", "4"], "--trl_ns 4: only with --trl"),
+    (["--part", "step", "--step_ns", "64"], "--step_ns: only with --model"),
     (["--part", "step", "--tiny", "--trl", "x", "--trl_ns", "64"], "--trl_ns 64: each must be"),
     (["--part", "step", "--trl", "x", "--trl_ns", "a"], "--trl_ns a: need positive integers")])
 def test_dtype_and_trl_ns_are_refused_with_one_line(argv, says, capsys):

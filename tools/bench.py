@@ -51,8 +51,8 @@ every part still runs (tests/test_bench.py), not a measurement.
 lib/pretrained.py), its weights as saved: the sampler and the step at each N of --ns (default 64
 and 512) with --new tokens (default 32), from the first prompts of --task (default arith) in the
 model's chat template if it has one. The sampler and the step (TRL's too) get the same prompts.
-With --model, --part all is those two; --trl_ns runs TRL at some N only (the others' ratios
-extrapolated from its nearest N's completions/s, and said so).
+With --model, --part all is those two; --step_ns times the step at some N of --ns only, and
+--trl_ns TRL (another N's ratio extrapolated from its nearest N's completions/s, and said so).
 
 Commands:
   python -m tools.bench                    # sampler + step on this CPU (fp32, ~2.4M params)
@@ -685,7 +685,8 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floo
         print(f"{name:>5} {n:>5} | {m['completions_s']:>13.0f} {m['step_s']:>7.2f} {parts} | "
               f"{m.get(mem, 0):>12.0f} | {shares} | {runs_s}")
     lo, hi = ns[0], ns[-1]
-    print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x")
+    if hi != lo:
+        print(f"brorl {mem} N={hi} / N={lo}: {med['brorl', hi][mem] / med['brorl', lo][mem]:.2f}x")
     for n in ns if trl_python else []:
         if n in trl_ns:
             print(f"brorl / TRL completions/s at N={n}: "
@@ -789,6 +790,8 @@ def main(argv=None):
     ap.add_argument("--micro_batch", type=int, default=64, help="step part: rows per forward/backward")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--trl", default="", help="step part: also run TRL with this python (see tools/bench_trl.sh)")
+    ap.add_argument("--step_ns", default="", help="with --model: the step's N values, "
+                    "comma-separated, each one of --ns (default every N of --ns)")
     ap.add_argument("--trl_ns", default="", help="with --trl: the N values, comma-separated, at "
                     "which TRL runs (default every N; another N's ratio is extrapolated, said so)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -814,14 +817,16 @@ def main(argv=None):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: need >= 1")
     if not args.model and not args.child:
-        for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != "arith")):
+        for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != "arith"),
+                            ("--step_ns", args.step_ns)):
             if given:
                 ap.error(f"{flag}: only with --model (the bench model's sizes are fixed: SIZES)")
     if args.dtype and not args.child and args.part in ("gpu", "lora", "compiled"):
         ap.error(f"--dtype {args.dtype}: only with --part sampler, varlen, step or all (--part "
                  f"{args.part} has its own dtype: bf16 on CUDA, else fp32)")
-    ns, trl_ns = [], []
-    for flag, text, into in (("--ns", args.ns, ns), ("--trl_ns", args.trl_ns, trl_ns)):
+    ns, step_ns, trl_ns = [], [], []
+    for flag, text, into in (("--ns", args.ns, ns), ("--step_ns", args.step_ns, step_ns),
+                             ("--trl_ns", args.trl_ns, trl_ns)):
         if text:
             try:
                 into.extend(int(x) for x in text.split(","))
@@ -864,8 +869,11 @@ def main(argv=None):
             prompt = sampler.encode_prompt(tok, json.loads(prompts.read_text())[0]["prompt"])
             new = args.new or (size["step_new"] if args.tiny else 32)
             ns = ns or (size["step_ns"] if args.tiny else [64, 512])
-            size = dict(size, sampler=[(n, len(prompt), new) for n in ns], step_ns=ns,
-                        step_new=new)
+            if not set(step_ns) <= set(ns):
+                ap.error(f"--step_ns {args.step_ns}: each must be one of --ns "
+                         f"({','.join(map(str, ns))})")
+            size = dict(size, sampler=[(n, len(prompt), new) for n in ns],
+                        step_ns=step_ns or ns, step_new=new)
             print(f"model {args.model} ({path}): {params / 1e6:.1f}M params, V={config.vocab_size}, "
                   f"{dtype}; prompt {len(prompt)} tokens (--task {args.task}'s first)")
         else:

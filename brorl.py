@@ -130,7 +130,7 @@ class Config(config.RunOptions):
     sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
     tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
     loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
-        # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo, else token
+        # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo or sapo, else token
     kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0: off (ProRL v2: 1e-4)
     ref_reset_every: int = 100  # steps between resets of the KL's reference to the current policy
     verifier: str = "auto"  # math verifier: rules, math_verify or both; auto: both if installed

@@ -746,6 +746,7 @@ def test_results_book_pages_open_with_answer_command_commit_machine():
 # Every Python file is held to 100 columns (CONTRIBUTING.md, rule 1) but these, written before the
 # rule reached tools/ and tests/: held to 150, and taken off this list when reflowed. A new file
 # is not added here.
+WIDE_LIMIT = 150  # columns a WIDE_FILES entry may use (CONTRIBUTING.md, rule 1, says so)
 WIDE_FILES = (".ci/padded_logprobs.py", "tools/__init__.py", "tools/ablate.py", "tools/bench.py",
               "tools/bench_kernels.py", "tools/bench_trl.py", "tools/breadth_study.py",
               "tools/massbalance.py", "tools/memcheck.py",
@@ -763,12 +764,12 @@ def python_files(root: Path) -> list:
 
 
 def width_problems(root: Path) -> list:
-    """Lines wider than their file's limit: 100 columns, 150 for WIDE_FILES; and any entry of
+    """Lines wider than their file's limit: 100 columns, WIDE_LIMIT for WIDE_FILES; and any entry of
     WIDE_FILES that no longer needs it (reflowed: take it off the list)."""
     problems = []
     for name in python_files(root):
         lines = (root / name).read_text().splitlines()
-        limit = 150 if name in WIDE_FILES else 100
+        limit = WIDE_LIMIT if name in WIDE_FILES else 100
         problems += [f"{name}:{i}: {len(line)} columns (at most {limit})"
                      for i, line in enumerate(lines, 1) if len(line) > limit]
         if name in WIDE_FILES and all(len(line) <= 100 for line in lines):
@@ -999,15 +1000,28 @@ def test_keep_is_counted_before_the_cut_to_b():
 # What the text says of the code, its commits and its machines, said once and alike
 
 
+def unskippable_parts(doc: str, row: str) -> tuple:
+    """The parts of lib/ a reader cannot skip, as brorl.py's map names them ("which a reader may
+    skip but for A (why) and B;") and as the README's lib/ row does ("skippable but `A` and `B`:")."""
+    doc = " ".join(doc.split())
+    said = re.search(r"which a reader may skip but for (.+?);", doc)[1]
+    said = re.sub(r"\([^()]*\)", "", said)  # the reasons in brackets
+    in_doc = {n.strip(" .") for n in re.split(r",| and ", said) if n.strip(" .")}
+    in_row = set(re.findall(r"`([^`]+)`", row.split("skippable but", 1)[1].split(":", 1)[0]))
+    return in_doc, in_row
+
+
 def test_what_a_reader_of_lib_cannot_skip_is_said_alike():
-    """brorl.py's map and the README's file table name the same part of lib/ a reader cannot skip,
-    and neither calls the algorithm one file (sampler.py, kernels.py and verify.py run it too)."""
-    doc = " ".join(brorl.__doc__.split())
-    but = re.search(r"which a reader may skip but for ([\w.]+)", doc)[1]
+    """brorl.py's map and the README's file table name the same parts of lib/ a reader cannot skip,
+    every one of them, and neither calls the algorithm one file (sampler.py, kernels.py and
+    verify.py run it too)."""
     readme = (ROOT / "README.md").read_text()
     row = next(ln for ln in readme.splitlines() if ln.startswith("| `lib/` |"))
-    assert f"skippable but `{but}`" in row, (but, row)
-    assert "in one file" not in doc and "in one file" not in readme
+    in_doc, in_row = unskippable_parts(brorl.__doc__, row)
+    assert in_doc and in_doc == in_row, (in_doc, in_row)
+    assert "in one file" not in brorl.__doc__ and "in one file" not in readme
+    # one name dropped from either side is caught
+    assert unskippable_parts(brorl.__doc__, row.replace(" and `policy.response_logprobs`", ""))[1] != in_doc
 
 
 def test_the_flag_rule_places_its_examples_where_they_are():
@@ -1076,3 +1090,90 @@ def test_the_fast_tests_then_the_slow_ones_as_the_readme_says():
     assert runs[:2] == [["pytest", "-q"], ["pytest", "-q", "-m", "slow"]], runs
     two = (ROOT / "README.md").read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
     assert "`python -m pytest -q -m slow`" in two and '`-m ""`' in two
+
+
+# ----------------------------------------------------------------------------
+# The rules, the archive and the pages' dates, held where a check can hold them
+
+
+def test_the_archive_is_a_dated_log_within_60_kb():
+    """docs/results/archive.md is a log of short dated entries, in the order its opening says (oldest
+    or newest first), each opening with its date and commit, at most 60 KB."""
+    md = (ROOT / RESULTS / "archive.md").read_text()
+    assert len(md.encode()) <= 60 * 1024, f"{len(md.encode())} bytes: shorten the archive's entries"
+    opening = " ".join(md.split("\n## ", 1)[0].split())
+    order = re.search(r"\b(oldest|newest) first\b", opening)
+    assert order, "the archive's opening says neither 'oldest first' nor 'newest first'"
+    entries = md.split("\n## ")[1:]
+    dates = [re.match(r"[^\n]+\n\n\*(\d{4}-\d{2}-\d{2}), [0-9a-f]{7,40}\.\*\n", e) for e in entries]
+    assert entries and all(dates), [e.split("\n")[0] for e, d in zip(entries, dates) if not d]
+    dates = [d[1] for d in dates]
+    assert dates == sorted(dates, reverse=order[1] == "newest"), dates
+
+
+def test_contributing_says_what_pytest_marks_slow():
+    """Rule 5 says what is marked slow in pytest.ini's own words, that the README's command leaves it
+    out, and that runs compared bit for bit share a thread count."""
+    import configparser
+    ini = configparser.ConfigParser()
+    ini.read(ROOT / "pytest.ini")
+    what = ini["pytest"]["markers"].split(":", 1)[1].split(":")[0].strip()  # trains a run, ...
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("5. **", 1)[1].split("6. **")[0].split())
+    assert "`@pytest.mark.slow`" in rule and f"that {what} is" in rule, (what, rule)
+    assert "`python -m pytest -q` does not" in rule and "one thread count" in rule
+
+
+def test_contributing_states_the_wide_files_exemption():
+    """Rule 1 names the exemption test_python_files_fit_their_columns grants: WIDE_FILES, at
+    WIDE_LIMIT columns."""
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("1. **", 1)[1].split("2. **")[0].split())
+    assert "`WIDE_FILES`" in rule and f"held to {WIDE_LIMIT}" in rule, rule
+
+
+def test_planned_figures_in_running_name_their_commit():
+    """A memory plan quoted in docs/running.md (a sentence with "plan" and a GB figure) names the
+    commit it was planned at: the planner changes, and an undated plan goes stale unseen."""
+    text = " ".join(FENCE.sub("", (ROOT / "docs/running.md").read_text()).split())
+    sentences = [x for x in re.split(r"(?<=[.)])\s+(?=[A-Z`(])", text)
+                 if "plan" in x and re.search(r"\d GB\b", x)]
+    assert sentences and [x for x in sentences if not re.search(r"\b[0-9a-f]{7}\b", x)] == []
+
+
+def test_the_index_names_every_objective():
+    """The index's objectives row names every objective --loss offers (PPO and each
+    objectives.*_token_loss) in its question and its headline."""
+    objectives = import_module("objectives")
+    names = {"PPO"} | {n[:-len("_token_loss")].upper() for n in dir(objectives)
+                       if n.endswith("_token_loss") and not n.startswith("_")}
+    index = (ROOT / RESULTS / "README.md").read_text()
+    row = next(ln for ln in index.splitlines() if ln.endswith("[objectives.md](objectives.md) |"))
+    question, headline = row.split(" | ")[:2]
+    assert [n for n in names if n not in question or n not in headline] == [], (names, row)
+
+
+def test_the_breadth_pages_commits_are_its_raw_files():
+    """breadth.md's Commit: paragraph names the raw folders of its newest answers (the revival study's
+    early branches, the real model's), each beside a commit that wrote to that folder."""
+    import subprocess
+    page = (ROOT / RESULTS / "breadth.md").read_text()
+    commit = " ".join(page.split("Commit:", 1)[1].split("\n\n", 1)[0].split())
+    pairs = re.findall(r"\b([0-9a-f]{7})\b[^,`(]*\(`(assets/[\w/-]+)/`", commit)
+    assert {f for _, f in pairs} >= {"assets/revival/early", "assets/smollm2-breadth"}, commit
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return  # an exported tree: no history to hold the commits against
+    for sha, folder in pairs:
+        log = subprocess.run(["git", "log", "--format=%h", "--abbrev=7", "--", folder], cwd=ROOT,
+                             capture_output=True, text=True).stdout.split()
+        assert not log or sha in log, (sha, folder, log[:3])
+
+
+def test_loss_agg_help_says_what_auto_runs():
+    """--loss_agg's help names, after "auto: sequence with", exactly the losses objectives.aggregation
+    runs per sequence at auto, and every --loss is one the help of --loss lists."""
+    helps = config.field_help(brorl.Config)
+    losses = set(re.findall(r"\b(\w+)(?:,| or)", helps["loss"].split(":", 1)[1].split("(")[0].strip() + ","))
+    said = re.search(r"auto: sequence with (.+?), else token", " ".join(helps["loss_agg"].split()))[1]
+    said = set(re.findall(r"--loss (\w+)|or (\w+)", said))
+    said = {a or b for a, b in said}
+    aggregation = import_module("objectives").aggregation
+    assert losses and said == {x for x in losses if aggregation(x, "auto") == "sequence"}, (said, losses)

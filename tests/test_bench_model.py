@@ -134,3 +134,14 @@ def test_bench_trl_sh_refuses_a_task_without_a_model_before_any_write(tmp_path):
     done = run_sh("--task", "arith", "64", venv=tmp_path / "venv")
     assert done.returncode == 2 and "--task arith: only with --model" in done.stderr
     assert not (tmp_path / "venv").exists()  # the TRL venv not made
+
+
+def test_the_steps_n_values_must_be_the_samplers(llama, capsys):
+    """--step_ns times the step at some N of --ns (the sampler at all): another N is refused in one
+    line, before any part runs."""
+    with pytest.raises(SystemExit) as e:
+        bench_output("--model", str(llama), "--part", "all", "--tiny", "--ns", "2,4",
+                     "--step_ns", "8")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "--step_ns 8" in err, err
+    assert "2,4" in err, err

@@ -7,12 +7,12 @@ Two phases peak separately (brorl.py never holds both at once):
   rollout  the weights (+ AdamW state, which lives across steps, + the reference policy), the KV
            cache of one chunk of rows x (prompt + max_new_tokens) in the compute dtype, the
            sampling step's (rows, V) buffers, and the chunk's outputs;
-  update   weights, gradients, AdamW state, the reference policy when --kl_coef > 0, the step's
-           (rows, T) tensors, and one micro-batch's forward: each decoder layer's activations
-           (or, with --grad_ckpt, each layer's input and one layer's activations), the attention
-           mask, and the logits and their gradient; plus the temporary of AdamW's step (its
-           foreach implementation takes the square root of every second moment at once), which is
-           not alive with the micro-batch's: the sum errs on the safe side.
+  update   weights, AdamW state, the reference policy when --kl_coef > 0, the step's (rows, T)
+           tensors, and the larger of two moments never alive at once: one micro-batch's forward
+           and backward (each decoder layer's activations, or with --grad_ckpt each layer's input
+           and one layer's; the attention mask; the logits and their gradient; the gradients when
+           an earlier micro-batch of the mini-batch made them) and AdamW's step (the gradients and
+           the temporary of its foreach implementation, the square root of every second moment).
 The per-token constants below count what autograd keeps for a Qwen2/Llama decoder layer under
 autocast (checked against measured peaks, tests/test_onegpu.py and tests/test_rehearsal.py). The
 estimate is of tensor bytes; an allocator adds its fragmentation on top (a margin on CUDA).
@@ -187,14 +187,23 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     R = math.ceil(B / K) * min(cfg.train_rollouts or N, N)
     if adaptive:
         R = min(R, step_budget(cfg))
-    r = min(cfg.micro_batch, math.ceil(R / cfg.n_minibatches))
+    per_minibatch = math.ceil(R / cfg.n_minibatches)  # the rows of one AdamW step on this rank
+    r = min(cfg.micro_batch, per_minibatch)
     per_layer = layer_activation_bytes(mc, c)
-    tokens = r * T + P  # the prompt runs once per group (a micro-batch holds few groups)
+    # Each prompt runs once per micro-batch, and a micro-batch's rows are drawn from a permutation
+    # of the step's rows: it can hold a row of every group this rank trains.
+    g = min(r, math.ceil(B / K))
+    tokens = r * T + g * P
     if cfg.grad_ckpt:
-        # each layer's fp32 input + one layer replayed
-        acts = L * tokens * 4 * H + tokens * per_layer
+        # each layer's fp32 input + one layer replayed; the row cache (each row's prompt keys and
+        # values, then its own: keys fp32, rotary's output under autocast, values in c bytes) lives
+        # through the backward, which replays every layer with it
+        acts = (L * tokens * 4 * H + tokens * per_layer
+                + L * (r * (P + T) + g * P) * nkv * hd * (4 + c) + r * P * 2 * nh * hd * c)
     else:
-        acts = L * tokens * per_layer
+        # + each row's copy of its prompt's keys and values, expanded to all heads (GQA), that
+        # attention keeps for the backward
+        acts = L * (tokens * per_layer + r * P * 2 * nh * hd * c)
     # embeddings, LM head, final norm
     root = V * H * (1 if getattr(mc, "tie_word_embeddings", False) else 2) + H
     # FSDP gathers parameters in the compute dtype (distributed.shard); a layer's full gradient is
@@ -203,17 +212,26 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     fsdp = ([("FSDP: gathered root and 2 layers, a layer's full gradient", c * root
               + (3 * c + 4 * (c == 2)) * layer)] * (K > 1))
     n_state = 2 + (lora > 0)  # weights, (adapter,) AdamW
-    update = [*state[:n_state],
-              (f"gradients (fp32{shard})" if not lora else "gradients of the adapter", 4 * trained),
-              *fsdp, *state[n_state:],
+    grads = 4 * trained
+    name = f"gradients (fp32{shard})" if not lora else "gradients of the adapter"
+    # Two moments that are never alive at once, and the peak is the larger: a micro-batch's
+    # forward and backward, and AdamW's step after the mini-batch's last backward.
+    micro = [(f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})",
+              acts), ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
+             ("logits and their gradient"
+              + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
+              logits_bytes(r * T, V, H, c, policy.plain_logits(mc)))]
+    if per_minibatch > r:  # a mini-batch of several micro-batches: from its second, all gradients
+        micro.insert(0, (name, grads))
+    else:  # one micro-batch a mini-batch (zero_grad sets them to None before it): the backward
+        # makes the gradients as it frees the activations, so only what they exceed those by counts
+        micro.insert(0, (name + ": excess over activations",
+                         max(grads - acts, 0)))
+    # foreach AdamW takes the square root of every second moment at once
+    step = [(name, grads), ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]
+    update = [*state[:n_state], *fsdp, *state[n_state:],
               ("step's (rows, T) tensors", R * T * (8 + 1 + 4 * (4 + (cfg.kl_coef > 0)))),
-              (f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})",
-               acts), ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
-              ("logits and their gradient"
-               + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
-               logits_bytes(r * T, V, H, c, policy.plain_logits(mc))),
-              # Not alive with the above: it is counted as a margin.
-              ("AdamW step's temporaries (foreach: sqrt of v)", 4 * (lora or total))]
+              *max(micro, step, key=lambda items: sum(b for _, b in items))]
     return {"rollout": rollout, "update": update}
 
 

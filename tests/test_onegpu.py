@@ -166,3 +166,42 @@ def test_texts_are_each_rows_real_tokens():
     ro = sampler.generate(model, tok, ["123+456=", "7+8="], 32, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(2))
     padded = tok.batch_decode(ro.tokens.masked_fill(~ro.mask, tok.pad_token_id), skip_special_tokens=True)
     assert ro.texts == padded and len(set(ro.texts)) > 1
+
+
+# ----------------------------------------------------------------------------
+# tools/memcheck.py: the measured peak counts each tensor once
+
+
+def test_memcheck_counts_once_what_exists_before_the_phase():
+    """memcheck's base holds what lives through a phase (weights, AdamW state, the step's batch);
+    an op that returns one of those tensors (an fp32 Linear's transposed view of its weight, an
+    in-place update of a weight or a moment, an index view of the batch) must not count its storage
+    a second time. The reference: the base plus the one tensor the phase makes."""
+    from tools import memcheck
+    model, tok = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # the AdamW state (m, v) exists before the phase, as from step 2 on
+    opt.zero_grad(set_to_none=True)
+    batch = {"resp": torch.randint(0, 9, (3, 5)), "lengths": [torch.tensor([5, 4, 3])]}
+    existing = lambda: memcheck.existing_tensors(model, None, opt, batch)
+    base = memcheck.existing_bytes(existing())
+    weights = sum(p.nbytes for p in model.parameters())
+    assert base >= 3 * weights  # weights, m and v
+
+    def phase():
+        views = [p.t() for p in model.parameters() if p.dim() == 2] + [batch["resp"][:, :2]]
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0)  # in place: aten returns the weight's own storage
+                opt.state[p]["exp_avg_sq"].add_(0.0)
+        return views, torch.empty(1000, 7)  # (1000, 7) fp32: the phase's one new tensor
+    _, measured = memcheck.peak(phase, torch.device("cpu"), existing)
+    assert measured == base + 28_000, (measured - base, weights)
+    # A real forward in fp32: each Linear reads its weight through aten.t, a view. Its activations
+    # (one 4-token row) are far below the weights the double count would add.
+    ids = torch.tensor([tok("12+34=")["input_ids"][:4]])  # (1, 4)
+    with torch.no_grad():
+        _, measured = memcheck.peak(lambda: model(ids).logits, torch.device("cpu"), existing)
+    assert base < measured < base + weights / 4, (measured - base, weights)

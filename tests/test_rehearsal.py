@@ -58,9 +58,18 @@ def test_rehearsal_trains_end_to_end_in_bf16_with_grad_ckpt(rehearsal, tmp_path)
     assert model.config.vocab_size == 151936 and model.config.num_hidden_layers == 2
 
 
-def test_planner_matches_the_measured_peaks_of_the_rehearsal(rehearsal, tmp_path):
+# The plan may exceed the measured peak by 20% (it assumes every response at max_new_tokens and
+# every group in a micro-batch) and fall below it by 3% at most: a plan that under-promises memory
+# fails a run the planner said fits.
+PLAN_OVER, PLAN_UNDER = 1.2, 0.97
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_matches_the_measured_peaks_of_the_rehearsal(rehearsal, tmp_path, dtype):
+    """tools/memcheck.py's peak of each phase (each tensor counted once) against the plan."""
     from tools import memcheck
-    result = memcheck.check(_cfg(rehearsal, tmp_path / "mem"))
+    result = memcheck.check(_cfg(rehearsal, tmp_path / "mem", dtype=dtype))
     for phase, (estimate, measured) in result.items():
-        print(f"{phase}: planner {estimate / 2**20:.0f} MiB, measured {measured / 2**20:.0f} MiB")
-        assert abs(estimate / measured - 1) <= 0.25, (phase, estimate, measured)
+        print(f"{dtype} {phase}: planner {estimate / 2**20:.0f} MiB, "
+              f"measured {measured / 2**20:.0f} MiB")
+        assert PLAN_UNDER <= estimate / measured <= PLAN_OVER, (phase, estimate, measured)

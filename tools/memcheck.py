@@ -6,7 +6,10 @@ one update, and prints each phase's estimate beside its measured peak.
 
 Measured: on CUDA torch.cuda.max_memory_allocated; on a CPU the peak of live tensor bytes
 (planner.measure_peak counts every tensor storage from its creation to its release), plus the
-tensors that exist before the phase (weights, AdamW state, reference policy).
+tensors that exist before the phase (weights, AdamW state, the reference policy; the update's
+batch). Those are counted once: measure_peak is told of them, so an op that returns one of them (in fp32 a
+Linear reads its weight through a transposed view, aten.t; AdamW's step updates weights, m and v in
+place) does not count its storage a second time.
 
   python -m tools.memcheck                                 # the embedded model, default run
   python data.py rehearsal --out /tmp/rehearsal
@@ -27,11 +30,18 @@ import sampler
 from lib import distributed, planner, policy, setup
 
 
-def existing_bytes(model, ref_model, opt) -> int:
-    """Bytes of the tensors that live across phases: weights, AdamW state, the reference policy."""
+def existing_tensors(model, ref_model, opt, batch=None) -> list:
+    """The tensors that exist before a phase and live through it: weights and buffers, AdamW state,
+    the reference policy, and the update's batch (the step's (rows, T) tensors)."""
+    ref = [*ref_model.parameters(), *ref_model.buffers()] if ref_model is not None else []
+    return [*model.parameters(), *model.buffers(), *ref,
+            *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
+            *(t for t in torch.utils._pytree.tree_leaves(batch) if torch.is_tensor(t))]
+
+
+def existing_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each storage once."""
     seen, total = set(), 0
-    tensors = [*model.parameters(), *(ref_model.parameters() if ref_model is not None else []),
-               *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
     for t in tensors:
         if t.untyped_storage().data_ptr() not in seen:
             seen.add(t.untyped_storage().data_ptr())
@@ -39,15 +49,18 @@ def existing_bytes(model, ref_model, opt) -> int:
     return total
 
 
-def peak(fn, device, base):
+def peak(fn, device, existing):
+    """(fn's result, peak bytes while it runs): on a CPU, the bytes of existing() (the tensors that
+    live through the phase) + the peak of the tensors fn makes beside them."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         out = fn()
         torch.cuda.synchronize()
         return out, torch.cuda.max_memory_allocated()
-    out, p = planner.measure_peak(fn)
-    return out, p + base
+    base = existing_bytes(existing())
+    out, p = planner.measure_peak(fn, existing)
+    return out, base + p
 
 
 def check(cfg) -> dict:
@@ -71,7 +84,6 @@ def check(cfg) -> dict:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    base = existing_bytes(model, ref, opt)
     prompts = [e["prompt"] for e in rng.sample(train_set, 4 * cfg.prompts_per_step)]
     model.eval()
 
@@ -82,12 +94,13 @@ def check(cfg) -> dict:
             sampler.generate(model, tok, prompts[: cfg.eval_prompts], cfg.eval_samples, cfg.max_new_tokens, 0.6, 0.95,
                            cfg.max_rows, gen)
         return ro
-    ro, roll = peak(rollout, device, base)
+    ro, roll = peak(rollout, device, lambda: existing_tensors(model, ref, opt))
     batch = policy.pack_groups([ro.group(g) for g in range(cfg.prompts_per_step)], device)
     adv = torch.randn(batch["resp"].shape[0], generator=gen_cpu).to(device)
     model.train()
     del ro
-    _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device, base)
+    _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device,
+                  lambda: existing_tensors(model, ref, opt, {**batch, "adv": adv}))
     return {"rollout": (est["rollout"], roll), "update": (est["update"], upd)}
 
 

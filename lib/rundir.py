@@ -230,9 +230,11 @@ def resumed_config(config_cls, overrides: dict, preset: str) -> dict:
     base = {k: float(v) if kinds[k] == (int, float) else v for k, v in base.items()}
     defaults = {f.name: f.default for f in dataclasses.fields(config_cls)}
     base.update(missing_fields(run, base, overrides, defaults, notes))
+    if overrides.get("dtype") == "auto":  # auto on resume: the dtype the run recorded
+        del overrides["dtype"]
     if base["dtype"] == "auto" and "dtype" not in overrides:  # written before auto was recorded
-        base["dtype"] = ("bfloat16" if distributed.pick_device(base["device"]).type == "cuda"
-                         else "float32")
+        device = distributed.pick_device(overrides.get("device", base["device"]))
+        base["dtype"] = "bfloat16" if device.type == "cuda" else "float32"
         notes.append(f"--resume {run}: its config.json says --dtype auto, which then chose "
                      f"{base['dtype']} on this device; it keeps {base['dtype']}")
     changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]

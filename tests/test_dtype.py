@@ -71,6 +71,9 @@ def test_a_run_records_autos_choice_and_a_resume_keeps_it(tmp_path, monkeypatch)
     monkeypatch.setattr(policy, "cpu_bf16", lambda: "")  # resumed on a CPU without native bf16
     brorl.train(brorl.parse_config(["--resume", str(tmp_path / "bf16"), "--steps", "2"]))
     assert recorded("bf16") == "bfloat16"
+    # --dtype auto given on resume is the run's own choice, not a new one
+    cfg = brorl.parse_config(["--resume", str(tmp_path / "bf16"), "--steps", "3", "--dtype", "auto"])
+    assert cfg.dtype == "bfloat16"
 
     monkeypatch.setattr(policy, "cpu_bf16", lambda: "AMX")
     brorl.train(_run(tmp_path, "old", dtype="float32"))
@@ -78,6 +81,10 @@ def test_a_run_records_autos_choice_and_a_resume_keeps_it(tmp_path, monkeypatch)
     path.write_text(path.read_text().replace('"dtype": "float32"', '"dtype": "auto"'))
     brorl.train(brorl.parse_config(["--resume", str(tmp_path / "old"), "--steps", "2"]))
     assert recorded("old") == "float32"
+    # an old run resumed with --device named: what auto chose on that device (a CPU: fp32)
+    path.write_text(path.read_text().replace('"dtype": "float32"', '"dtype": "auto"'))
+    cfg = brorl.parse_config(["--resume", str(tmp_path / "old"), "--device", "cpu", "--steps", "3"])
+    assert cfg.dtype == "float32"
 
 
 @pytest.mark.slow

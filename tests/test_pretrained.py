@@ -352,6 +352,23 @@ def test_stale_temporary_folders_removed_and_said(offline, capsys):
     assert calls == {"download": 1, "convert": 1}
 
 
+def test_a_filesystem_without_locks_converts_unlocked_and_keeps_temporary_folders(
+        offline, capsys, monkeypatch):
+    """Where flock() fails (ENOLCK on some network filesystems), the conversion goes on unlocked,
+    said in one line, and removes no temporary folder: without the lock, one may be another
+    process's, live."""
+    cache, calls = offline
+    other = cache / f".{SPEC.folder}.l1ve"
+    other.mkdir(parents=True)
+    monkeypatch.setattr(pretrained.fcntl, "flock",
+                        lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "No locks")))
+    assert pretrained.resolve(ALIAS) == str(cache / SPEC.folder)
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"--model {ALIAS}: cannot lock {cache} (No locks); converting "
+                    "without a lock, any earlier temporary folders kept"], said
+    assert other.is_dir() and calls == {"download": 1, "convert": 1}
+
+
 CONVERTER = """
 import hashlib, sys, time
 import transformers

@@ -58,8 +58,14 @@ HELD_OUT = 64  # the censuses' held-out prompts
 CENSUS_FLAGS = ["--preset", "smollm2", "--temperature", "1", "--eval_prompts", str(HELD_OUT)]
 
 
+# The study's runs are fp32, as its raw files were made (before --dtype auto chose bf16 on a CPU
+# that computes it natively): a new arm or seed is comparable with them on any CPU.
+DTYPE = ["--dtype", "float32"]
+
+
 def jobs(arms: list, seeds: list, steps: int, out: Path, raw: Path) -> list:
-    return [study.Job(f"{arm} seed {s}", ["--preset", "smollm2", *ARMS[arm], "--steps", str(steps),
+    return [study.Job(f"{arm} seed {s}", ["--preset", "smollm2", *DTYPE, *ARMS[arm],
+                                          "--steps", str(steps),
                                           "--eval_every", str(steps), "--seed", str(s),
                                           "--out", str(out / arm / f"seed{s}")],
                       out / arm / f"seed{s}", raw / "arms" / arm / f"seed{s}.jsonl",

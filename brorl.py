@@ -55,8 +55,7 @@ import data
 from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
                  steplog)
 from lib.errors import fail
-from lib.objectives import (aggregation, cispo_token_loss, focal_weight, gspo_token_loss,
-                            max_variance_subset, sapo_token_loss)
+from lib.objectives import OBJECTIVES, aggregation, focal_weight, max_variance_subset
 from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
                         response_logprobs, trainable)
 from lib.step import Group, SampleStep, StepStats, sample_groups, sample_share
@@ -119,18 +118,18 @@ class Config(config.RunOptions):
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
         # adapted modules, comma-separated (these: Qwen/Llama attention and MLP; Phi-3's
         # fused ones: qkv_proj,o_proj,gate_up_proj,down_proj)
-    # The objective (policy_token_loss). Dr. GRPO is ppo with --adv_norm none --loss_agg constant.
-    loss: str = "ppo"  # policy loss per token: ppo, gspo, cispo or sapo (policy_token_loss)
+    # The objective (policy_token_loss). Dr. GRPO is PPO with --adv_norm none --loss_agg constant.
+    loss: str = "ppo"  # policy loss per token (policy_token_loss; lib/objectives.OBJECTIVES)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
     clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher), CISPO's too
-    clip_ratio_c: float = 3.0  # dual-clip's c (ppo): a negative-advantage token's loss <= -c*A
+    clip_ratio_c: float = 3.0  # dual-clip's c (PPO's): a negative-advantage token's loss <= -c*A
     gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
     gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
     sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (arXiv 2511.20347; TRL: 1.0)
     sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
     tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
     loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
-        # means' mean) or constant (Dr. GRPO); auto: sequence with --loss gspo or sapo, else token
+        # means' mean) or constant (Dr. GRPO); auto: the --loss's own (lib/objectives.OBJECTIVES)
     kl_coef: float = 0.0  # coefficient of the k2 KL to a reference; 0: off (ProRL v2: 1e-4)
     ref_reset_every: int = 100  # steps between resets of the KL's reference to the current policy
     verifier: str = "auto"  # math verifier: rules, math_verify or both; auto: both if installed

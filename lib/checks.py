@@ -4,7 +4,7 @@ checks.py: what is wrong with a config, before any work, in one line naming the 
 choice (check_config), the device (check_device), and a flag typed that would change nothing in
 this run (unused_flag). A new flag's check is one entry of check_config's list. It imports nothing
 of ours but the verifiers' names (verify.py), the tasks whose training set is their eval set
-(data.py) and the process count (distributed.py).
+(data.py), the process count (distributed.py) and the losses' table (objectives.py).
 """
 
 import dataclasses
@@ -15,11 +15,22 @@ import torch
 import data
 import verify
 from lib import distributed
+from lib.objectives import OBJECTIVES
 
 
-# Flags that change nothing unless another has a value: (the flag, the value that makes them count).
-COUNTS_ONLY_WITH = {name: ("alloc", "adaptive") for name in
-                    ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")}
+# Flags that change nothing unless another has a value: the flag -> (the other, the values of it
+# that make the flag count; None: any but its off value, 0, '' or False). A loss's own flags come
+# from its entry of OBJECTIVES, counting with each loss that names them.
+COUNTS_ONLY_WITH = {
+    **{name: ("alloc", ("adaptive",)) for name in
+       ("rollout_budget", "min_rollouts", "max_rollouts", "alloc_decay")},
+    **{flag: ("loss", tuple(loss for loss, o in OBJECTIVES.items() if flag in o.flags))
+       for objective in OBJECTIVES.values() for flag in objective.flags},
+    "lora_alpha": ("lora_rank", None), "lora_targets": ("lora_rank", None),
+    "ref_reset_every": ("kl_coef", None),
+    "eval_overlap": ("eval_task", None),
+    "budget_clock": ("time_budget", None),
+}
 
 
 # The range a float flag that enters a tensor must hold: 0, or a normal number of both dtypes a
@@ -35,6 +46,12 @@ SCALE = (math.sqrt(NORMAL[0]), math.sqrt(NORMAL[1]))
 # The float flags that only Python's float64 reads (the planner's bytes, the clock, the adaptive
 # allocation's float64 counts), never a tensor of the run's dtypes: finite is their range.
 FLOAT64_ONLY = ("memory_gb", "time_budget", "alloc_decay")
+
+
+def one_of(names) -> str:
+    """The names as a choice: 'a', 'a or b', 'a, b or c'."""
+    names = list(names)
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def outside(x: float, lo: float, hi: float) -> bool:
@@ -55,11 +72,16 @@ def unused_flag(cfg, given: dict) -> str:
     if cfg.eval_only and (idle := [k for k in TRAINING_ONLY if k in given]):
         return (f"--{idle[0]} {given[idle[0]]}: counts only in training, and --eval_only trains "
                 "nothing; drop it")
-    for name, (other, value) in COUNTS_ONLY_WITH.items():
-        if name in given and getattr(cfg, other) != value:
-            return (f"--{name} {given[name]}: counts only with --{other} {value} "
-                    f"(this run's --{other} is {getattr(cfg, other)}); drop it, or add "
-                    f"--{other} {value}")
+    for name, (other, values) in COUNTS_ONLY_WITH.items():
+        now = getattr(cfg, other)
+        if name not in given or (now if values is None else now in values):
+            continue
+        if values is None:
+            return (f"--{name} {given[name]}: counts only with --{other} (this run has none); "
+                    f"drop it, or set --{other}")
+        wanted = f"--{other} {one_of(values)}"
+        return (f"--{name} {given[name]}: counts only with {wanted} (this run's --{other} is "
+                f"{now}); drop it, or add {wanted}")
     return ""
 
 
@@ -162,8 +184,7 @@ def check_config(cfg) -> str:
          "tempered softmax's, not the nucleus's); eval samples at top_p 0.95 anyway"),
         (cfg.adv_norm in ("batch", "response", "group", "none"),
          f"--adv_norm {cfg.adv_norm!r}: choose batch, response, group or none"),
-        (cfg.loss in ("ppo", "gspo", "cispo", "sapo"),
-         f"--loss {cfg.loss!r}: choose ppo, gspo, cispo or sapo"),
+        (cfg.loss in OBJECTIVES, f"--loss {cfg.loss!r}: choose {one_of(OBJECTIVES)}"),
         (cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0,
          f"--sapo_tau_pos {cfg.sapo_tau_pos}, --sapo_tau_neg {cfg.sapo_tau_neg}: need both > 0"),
         # The loss is sigmoid(tau (ratio - 1)) 4 / tau, its gradient tau's and 4 / tau's product.

@@ -16,9 +16,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lib.checks import check_config, unused_flag
+from lib.checks import check_config, one_of, unused_flag
 from lib.errors import fail
-from lib.objectives import aggregation
+from lib.objectives import OBJECTIVES, aggregation
 from lib.presets import PRESETS
 from lib.rundir import held_line, held_run, resumed_config
 
@@ -126,6 +126,18 @@ def field_help(config_cls) -> dict:
     return helps
 
 
+def table_help(config_cls, presets) -> dict:
+    """field_help with the names its tables hold said: --preset's (lib/presets.py), --loss's and
+    what --loss_agg auto runs with each (lib/objectives.OBJECTIVES), so the help never falls
+    behind a table."""
+    helps = field_help(config_cls)
+    by_sequence = [loss for loss, o in OBJECTIVES.items() if o.aggregation == "sequence"]
+    said = {"preset": f"; one of {', '.join(presets)}",
+            "loss": f"; one of {', '.join(OBJECTIVES)}",
+            "loss_agg": f": sequence with --loss {one_of(by_sequence)}, else token"}
+    return {name: text + said.get(name, "") for name, text in helps.items()}
+
+
 def flag_fields(config_cls) -> list:
     """The fields of config_cls in --help's order: its own (the recipe) first, then its bases'."""
     own = vars(config_cls).get("__annotations__", {})
@@ -175,7 +187,7 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     --loss_agg auto resolved. presets: PRESETS (lib/presets.py) unless given."""
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
-    helps = field_help(config_cls)
+    helps = table_help(config_cls, presets)
     # --help lists the recipe (the Config's own fields) first, then the run's options.
     own = vars(config_cls).get("__annotations__", {})
     groups = {True: parser.add_argument_group("the recipe, its alternatives (brorl.py's Config)"),
@@ -185,9 +197,6 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         # default=None marks "not given", so that a preset never overrides an explicit flag; the
         # help shows the real default (Config's), which a preset may change
         text = helps.get(f.name, "")
-        # The names come from the presets themselves, so the help never falls behind.
-        if f.name == "preset":
-            text += f"; one of {', '.join(presets)}"
         text += ("" if "(default:" in text
                  else f" (default: {'none' if f.default == '' else f.default})")
         # A bool flag given alone (--flag) means true.

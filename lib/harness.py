@@ -21,7 +21,7 @@ from lib import distributed, planner, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
 from lib.diagnostics import first_references
 from lib.errors import fail
-from lib.objectives import aggregation
+from lib.objectives import OBJECTIVES, aggregation
 from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
 from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
                         surviving_checkpoint, write_atomic, writes_are_one_line)
@@ -239,10 +239,10 @@ def start(cfg) -> Run:
     report.require(cfg.report_to)  # a missing dashboard package: one line, before any work
     stop_on_ctrl_c("interrupted before the run began: nothing written")
     # This note is said first, before any other output.
-    if (cfg.loss in ("gspo", "sapo") and aggregation(cfg.loss, cfg.loss_agg) != "sequence"
-            and distributed.is_main()):
+    own = OBJECTIVES[cfg.loss].aggregation  # what --loss_agg auto runs with this loss
+    if own != "token" and aggregation(cfg.loss, cfg.loss_agg) != own and distributed.is_main():
         print(f"note: --loss {cfg.loss} with --loss_agg {cfg.loss_agg}: not {cfg.loss.upper()}'s "
-              f"per-sequence mean (--loss_agg sequence, {cfg.loss}'s default)")
+              f"per-{own} mean (--loss_agg {own}, {cfg.loss}'s default)")
     # The checkpoint is ckpt/, or what a crash in its save left.
     ckpt = surviving_checkpoint(Path(cfg.resume)) if cfg.resume else None
     state = read_trainer_state(ckpt, cfg) if ckpt else None

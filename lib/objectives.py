@@ -1,25 +1,28 @@
 """
 objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a
-drop-in for one piece of it. --loss gspo, cispo and sapo replace PPO-clip's per-token loss
-(brorl.policy_token_loss picks one; with --loss gspo or sapo, --loss_agg auto is their papers'
-per-sequence mean: aggregation); --focal_gamma scales each group's advantages by F-GRPO's focal
-weight; --train_rollouts m trains each group on the m of its N rollouts whose rewards vary most
-(PODS), keeping the breadth of sampling without the update's cost. The paper's own pieces
-(PPO-clip with dual-clip, TIS, the k2 KL, the normalisers) are in brorl.py.
+drop-in for one piece of it. OBJECTIVES is the table of --loss: each name's token loss (PPO-clip's,
+the paper's, stays in brorl.policy_token_loss; the others replace it), what --loss_agg auto runs
+with it (GSPO's and SAPO's papers' per-sequence mean: aggregation) and the flags it alone reads;
+the help, the checks, the update and the docs' lists read it, so a new loss is one entry.
+--focal_gamma scales each group's advantages by F-GRPO's focal weight; --train_rollouts m trains
+each group on the m of its N rollouts whose rewards vary most (PODS), keeping the breadth of
+sampling without the update's cost. The paper's own pieces (PPO-clip with dual-clip, TIS, the k2
+KL, the normalisers) are in brorl.py.
 """
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 
 def aggregation(loss: str, loss_agg: str) -> str:
-    """--loss_agg as run: auto is the per-sequence mean with --loss gspo (its paper's objective,
-    and what verl hard-codes inside its GSPO loss: a token mean would weigh each sequence's ratio
-    by its length, another gradient on ragged batches) and with --loss sapo (what verl hard-codes
-    and TRL runs for it: each sequence's token mean, then the mean over sequences), the token mean
-    (DAPO's) otherwise."""
-    if loss_agg != "auto":
-        return loss_agg
-    return "sequence" if loss in ("gspo", "sapo") else "token"
+    """--loss_agg as run: auto is the loss's own (OBJECTIVES): the per-sequence mean with GSPO (its
+    paper's objective, and what verl hard-codes inside its GSPO loss: a token mean would weigh each
+    sequence's ratio by its length, another gradient on ragged batches) and with SAPO (what verl
+    hard-codes and TRL runs for it: each sequence's token mean, then the mean over sequences), the
+    token mean (DAPO's) otherwise."""
+    return OBJECTIVES[loss].aggregation if loss_agg == "auto" else loss_agg
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -86,3 +89,48 @@ def sapo_token_loss(logp, old_logp, adv, tau_pos, tau_neg):
     a = adv[:, None]  # (r, 1) each row's advantage, along its tokens
     tau = torch.where(a > 0, tau_pos, tau_neg).to(ratio.dtype)  # (r, 1)
     return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * a, ratio
+
+
+# ----------------------------------------------------------------------------
+# The table of --loss. Each alternative's entry reads its own flags from the Config and returns
+# the loss per token (r, T), the ratio (r, T) and where its clip binds (r, T), as
+# brorl.policy_token_loss does for PPO.
+
+
+def gspo_loss(logp, old_logp, adv, mask, cfg):
+    """--loss gspo: its clip binds where a sequence's ratio left [1 - eps_low, 1 + eps_high] on its
+    advantage's side (no dual clip: that is PPO's alone)."""
+    lo, hi = cfg.gspo_clip_low, cfg.gspo_clip_high
+    loss, ratio = gspo_token_loss(logp, old_logp, adv, mask, lo, hi)
+    a = adv[:, None]  # (r, 1)
+    return loss, ratio, ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
+
+
+def cispo_loss(logp, old_logp, adv, mask, cfg):
+    """--loss cispo: its clip binds where the weight is truncated (the gradient kept)."""
+    loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
+    return loss, ratio, ratio > 1 + cfg.clip_high
+
+
+def sapo_loss(logp, old_logp, adv, mask, cfg):
+    """--loss sapo: no clip binds, its gate only fades."""
+    loss, ratio = sapo_token_loss(logp, old_logp, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    return loss, ratio, torch.zeros_like(mask, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One --loss: what the update, --loss_agg auto and the checks need of it."""
+    token_loss: Callable | None  # (logp, old_logp, adv, mask, cfg) -> loss, ratio, clipped,
+    # each (r, T); None: PPO-clip, written out in brorl.policy_token_loss
+    aggregation: str  # what --loss_agg auto runs with it: token or sequence
+    flags: tuple = ()  # the Config fields that count only with it (checks.COUNTS_ONLY_WITH)
+
+
+# --loss's names, in --help's order; the first is Config's default, the paper's.
+OBJECTIVES = {
+    "ppo": Objective(None, "token", ("clip_low", "clip_high", "clip_ratio_c")),
+    "gspo": Objective(gspo_loss, "sequence", ("gspo_clip_low", "gspo_clip_high")),
+    "cispo": Objective(cispo_loss, "token", ("clip_high",)),
+    "sapo": Objective(sapo_loss, "sequence", ("sapo_tau_pos", "sapo_tau_neg")),
+}

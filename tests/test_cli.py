@@ -140,7 +140,9 @@ def test_unwritable_out_fails_cleanly(tmp_path, capsys):
 FLOATS = [f.name for f in dataclasses.fields(brorl.Config) if f.type is float]
 EXTREMES = ["0", "1e-40", "-1e-40", "1e39", "-1e39", "nan", "inf", "-inf", "-1"]
 # What a flag needs beside it to count (else it is refused as changing nothing).
-BESIDE = {"alloc_decay": ["--alloc", "adaptive"]}
+BESIDE = {"alloc_decay": ["--alloc", "adaptive"], "lora_alpha": ["--lora_rank", "4"],
+          "gspo_clip_low": ["--loss", "gspo"], "gspo_clip_high": ["--loss", "gspo"],
+          "sapo_tau_pos": ["--loss", "sapo"], "sapo_tau_neg": ["--loss", "sapo"]}
 
 
 def holds(x: float, dtype) -> bool:
@@ -214,3 +216,66 @@ def test_every_flags_help_says_what_it_is():
         if len(tokens) < 4 or not any(w.startswith(n[:5]) for n in named for w in words):
             bare.append(f"--{name}: {text}")
     assert bare == []
+
+
+# Each Config field that COUNTS_ONLY_WITH does not hold, and why: one every run reads, one whose
+# own entry of check_config refuses it out of place, or one that counts with the task, or with two
+# settings at once (which COUNTS_ONLY_WITH, one other flag a field, does not say).
+EVERY_RUN = {"eval_task", "eval_seed", "system_prompt", "long_prompts", "device", "max_rows",
+             "micro_batch", "grad_ckpt", "memory_gb", "plan", "time_budget", "probe_prompts",
+             "probe_samples", "sample_prompts", "sample_responses", "sample_groups", "out", "save",
+             "report_to", "resume", "init_from", "preset", "eval_only", "model", "task", "seed",
+             "dtype", "n_rollouts", "prompts_per_step", "max_new_tokens", "temperature", "top_p",
+             "dynamic_sampling", "alloc", "adv_norm", "focal_gamma", "train_rollouts", "lr",
+             "weight_decay", "n_minibatches", "grad_clip", "old_logp", "lora_rank", "loss",
+             "tis_cap", "loss_agg", "kl_coef", "steps", "eval_every", "eval_prompts", "eval_samples",
+             "eval_max_new_tokens"}
+OWN_CHECK = {"train_prompts", "answer_prompts", "mass_balance", "init_optimizer"}
+WITH_THE_TASK = {"digits", "verifier", "mass_prompts", "gate_small_n", "gate_large_n"}
+WITH_TWO = {"max_rounds"}  # dynamic sampling's rounds: --dynamic_sampling and --alloc uniform
+
+
+def test_every_field_that_counts_only_with_another_is_refused_alone(capsys):
+    """Every Config field is classified: COUNTS_ONLY_WITH, or a list above; a new field fails here
+    until it is. Each COUNTS_ONLY_WITH flag typed where its other flag does not make it count is one
+    line naming that flag (exit 2); a preset's values are never refused."""
+    from lib import checks
+    from lib.objectives import OBJECTIVES
+    fields = {f.name: f for f in dataclasses.fields(brorl.Config)}
+    lists = [set(checks.COUNTS_ONLY_WITH), EVERY_RUN, OWN_CHECK, WITH_THE_TASK, WITH_TWO]
+    assert sum(map(len, lists)) == len(set().union(*lists)), "a field in two lists"
+    assert set(fields) == set().union(*lists), set(fields) ^ set().union(*lists)
+    typed = {float: "1.5", int: "3", bool: "true", str: "q_proj"}  # values the checks accept
+    own = {"budget_clock": "cpu", "alloc_decay": "0.5", "clip_low": "0.5", "gspo_clip_low": "0.5"}
+    for name, (other, values) in checks.COUNTS_ONLY_WITH.items():
+        value = own.get(name, typed[fields[name].type])
+        # The other flag at its default, or where that makes it count, another loss.
+        beside = [] if values is None or fields[other].default not in values else [
+            f"--{other}", next(x for x in OBJECTIVES if x not in values)]
+        with pytest.raises(SystemExit) as stop:
+            brorl.parse_config([f"--{name}", value, *beside])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, (name, err)
+        assert f"--{name} " in err and f"counts only with --{other}" in err, (name, err)
+        preset = {name: True if fields[name].type is bool else fields[name].type(value)}
+        assert config.parse_config(brorl.Config, "", ["--preset", "x"], {"x": preset})
+
+
+def test_a_loss_flag_with_another_loss_and_lora_alpha_without_lora_are_one_line(capsys):
+    """The issue's three: --sapo_tau_pos with --loss ppo, --gspo_clip_low with ppo, --lora_alpha
+    without LoRA, each refused in one line; with their loss (and LoRA) they parse."""
+    for flags, line in [
+            (["--sapo_tau_pos", "2"], "--sapo_tau_pos 2.0: counts only with --loss sapo (this run's "
+             "--loss is ppo); drop it, or add --loss sapo"),
+            (["--gspo_clip_low", "0.1"], "--gspo_clip_low 0.1: counts only with --loss gspo"),
+            (["--lora_alpha", "16"], "--lora_alpha 16.0: counts only with --lora_rank (this run has "
+             "none); drop it, or set --lora_rank"),
+            (["--loss", "gspo", "--clip_high", "0.3"], "--clip_high 0.3: counts only with --loss ppo "
+             "or cispo (this run's --loss is gspo)")]:
+        with pytest.raises(SystemExit) as stop:
+            brorl.parse_config(flags)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and line in err and len(err.splitlines()) == 1, err
+    assert brorl.parse_config(["--loss", "sapo", "--sapo_tau_pos", "2"]).sapo_tau_pos == 2
+    assert brorl.parse_config(["--loss", "cispo", "--clip_high", "0.3"]).clip_high == 0.3
+    assert brorl.parse_config(["--lora_rank", "4", "--lora_alpha", "16"]).lora_alpha == 16

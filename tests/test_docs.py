@@ -1170,9 +1170,9 @@ def test_the_breadth_pages_commits_are_its_raw_files():
 def test_loss_agg_help_says_what_auto_runs():
     """--loss_agg's help names, after "auto: sequence with", exactly the losses objectives.aggregation
     runs per sequence at auto, and every --loss is one the help of --loss lists."""
-    helps = config.field_help(brorl.Config)
-    losses = set(re.findall(r"\b(\w+)(?:,| or)", helps["loss"].split(":", 1)[1].split("(")[0].strip() + ","))
-    said = re.search(r"auto: sequence with (.+?), else token", " ".join(helps["loss_agg"].split()))[1]
+    helps = config.table_help(brorl.Config, {})
+    losses = set(re.search(r"; one of (.+)$", helps["loss"])[1].split(", "))
+    said = re.search(r"auto: .*sequence with (.+?), else token", " ".join(helps["loss_agg"].split()))[1]
     said = set(re.findall(r"--loss (\w+)|or (\w+)", said))
     said = {a or b for a, b in said}
     aggregation = import_module("objectives").aggregation

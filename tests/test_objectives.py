@@ -2,9 +2,15 @@
 --train_rollouts' max-variance subset. Each loss is checked, values and gradients, against its paper's
 formula written out independently: per sequence and per token, in plain Python loops over float64."""
 
+import ast
+import io
 import itertools
+import json
 import math
 import random
+import re
+import tokenize
+from pathlib import Path
 
 import pytest
 import torch
@@ -443,3 +449,129 @@ def test_focal_gamma_reaches_the_update_and_is_checked(tmp_path):
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             brorl.parse_config(["--focal_gamma", bad])
+
+
+# ----------------------------------------------------------------------------
+# --loss is one table (objectives.OBJECTIVES): the help, the check, --loss_agg auto, the note and
+# the update read it, so a loss is one entry, and its name is spelled nowhere else in the code.
+
+def _shipped_code():
+    """Every Python file of the repository but the tests (and the virtual environment)."""
+    root = Path(__file__).resolve().parents[1]
+    skip = {"tests", ".venv", ".git", "node_modules"}
+    return root, [p for p in sorted(root.rglob("*.py"))
+                  if not skip & set(p.relative_to(root).parts) and p.name != "test_brorl.py"]
+
+
+def _loss_names_spelled(path: Path, names) -> list:
+    """(line, text) of each string constant and comment of path that names one of `names` as a
+    word, lower case (the value --loss takes). Docstrings are prose, as the docs are, and not read;
+    a field such as sapo_tau_pos is one word, so it never matches (\\b does not split at _)."""
+    src = path.read_text()
+    word = re.compile(r"\b(%s)\b" % "|".join(map(re.escape, names)))
+    tree = ast.parse(src)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    found = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
+             and isinstance(n.value, str) and id(n) not in docstrings and word.search(n.value)]
+    found += [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+              if t.type == tokenize.COMMENT and word.search(t.string)]
+    return sorted(found)
+
+
+def test_every_loss_name_is_spelled_in_the_table_alone():
+    """Each --loss name is a string in the code once, its key in objectives.OBJECTIVES, and the
+    default's once more, Config's default; no string or comment of the code outside the tests
+    names a loss (a choice list, a branch, a help), so that a forker adds one entry. Docstrings and
+    the docs are prose; the flags a loss owns (gspo_clip_low, sapo_tau_pos) are fields, one word
+    each, named where they are read."""
+    root, files = _shipped_code()
+    names = list(objectives.OBJECTIVES)
+    default = brorl.Config.loss
+    allowed = {("lib/objectives.py", name) for name in names} | {("brorl.py", default)}
+    spelled = [(str(p.relative_to(root)), line, text) for p in files
+               for line, text in _loss_names_spelled(p, names)]
+    outside = [s for s in spelled if (s[0], s[2]) not in allowed]
+    assert outside == [], outside
+    table = [text for f, _, text in spelled if f == "lib/objectives.py"]
+    assert sorted(table) == sorted(names), table  # each key once
+    assert names[0] == default and [t for f, _, t in spelled if f == "brorl.py"] == [default]
+
+
+def test_the_grep_sees_a_loss_named_outside_the_table(tmp_path):
+    """The grep of the test above finds a branch and a choice list, and skips docstrings and
+    fields."""
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""--loss gspo in a docstring is prose."""\n'
+                       'def f(cfg):\n    """sapo too."""\n'
+                       '    x = cfg.sapo_tau_pos  # a field, one word\n'
+                       '    if cfg.loss == "gspo":  # a branch on cispo\n        return 1\n'
+                       '    return f"choose ppo or {x}"\n')
+    found = _loss_names_spelled(planted, list(objectives.OBJECTIVES))
+    assert [line for line, _ in found] == [5, 5, 7], found
+
+
+def test_the_help_the_check_and_loss_agg_read_the_table():
+    """--loss's help lists the table's names in its order, the check refuses a name it lacks in one
+    line listing them, --loss_agg auto is each entry's, and every loss's own flags are
+    COUNTS_ONLY_WITH that loss."""
+    from lib import checks, config
+    names = list(objectives.OBJECTIVES)
+    helps = config.table_help(brorl.Config, {})
+    assert helps["loss"].endswith("; one of " + ", ".join(names)), helps["loss"]
+    assert checks.check_config(brorl.Config(loss="nope")) == (
+        f"--loss 'nope': choose {', '.join(names[:-1])} or {names[-1]}")
+    for name, o in objectives.OBJECTIVES.items():
+        assert objectives.aggregation(name, "auto") == o.aggregation in ("token", "sequence")
+        assert objectives.aggregation(name, "constant") == "constant"
+        for flag in o.flags:
+            assert checks.COUNTS_ONLY_WITH[flag][0] == "loss" and name in checks.COUNTS_ONLY_WITH[flag][1]
+
+
+def _reinforce(logp, old_logp, adv, mask, cfg):
+    """A made-up loss: plain REINFORCE, -A logp per token; no clip binds."""
+    return -adv[:, None] * logp, torch.exp(logp - old_logp), torch.zeros_like(mask)
+
+
+def _register(monkeypatch):
+    """--loss reinforce, registered in this test alone: one entry of the table, nothing else."""
+    monkeypatch.setitem(objectives.OBJECTIVES, "reinforce",
+                        objectives.Objective(_reinforce, "token"))
+
+
+def test_a_made_up_loss_is_refused_until_its_entry_is_added(monkeypatch, capsys):
+    """--loss reinforce is one line (exit status 2) before its entry is in the table; after, it
+    parses, --help lists it, --loss_agg auto is its entry's and the update's dispatch runs it."""
+    with pytest.raises(SystemExit) as stop:
+        brorl.parse_config(["--loss", "reinforce"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--loss 'reinforce': choose ppo, gspo, cispo or sapo" in err, err
+    _register(monkeypatch)
+    cfg = brorl.parse_config(["--loss", "reinforce"])
+    assert (cfg.loss, cfg.loss_agg) == ("reinforce", "token")
+    with pytest.raises(SystemExit):
+        brorl.parse_config(["--help"])
+    assert "sapo, reinforce" in " ".join(capsys.readouterr().out.split())
+    logp, old, adv, mask = _batch()
+    loss, ratio, clipped = brorl.policy_token_loss(logp, old, adv, mask, cfg)
+    assert torch.equal(loss, -adv[:, None] * logp) and not clipped.any()
+
+
+@pytest.mark.slow
+def test_a_made_up_loss_trains_from_its_entry_alone(monkeypatch, tmp_path):
+    """Two steps of the tiny embedded model under --loss reinforce, added by one entry: the
+    update ran it (a step's gradient, finite and nonzero) and config.json records it."""
+    from test_brorl import SMALL
+    _register(monkeypatch)
+    calls = []
+    monkeypatch.setitem(objectives.OBJECTIVES, "reinforce", objectives.Objective(
+        lambda *a: calls.append(1) or _reinforce(*a), "token"))
+    rows = brorl.train(brorl.parse_config(["--loss", "reinforce", "--steps", "2", "--eval_every", "2",
+                                           "--save", "false", "--out", str(tmp_path), *SMALL]))
+    steps = [r for r in rows if "grad_norm" in r]
+    assert [r["step"] for r in steps] == [1, 2] and calls, rows
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in steps)
+    assert json.loads((tmp_path / "config.json").read_text())["loss"] == "reinforce"

@@ -145,9 +145,10 @@ def split_revision(name: str) -> tuple:
 
 # --dtype auto on a CPU: bf16 only where the CPU computes it natively (AMX tiles or AVX512_BF16;
 # elsewhere bf16 is emulated, slower than fp32) and the model is wide enough to gain from it. At
-# hidden size 128 (the embedded models) 8 steps of the default job took 13.7 CPU s in bf16 against
-# 14.4 in fp32, no gain for inexact sampler log-probs; at SmolLM2-135M's 576 a step is about 2x
-# faster (docs/results/speed.md). The bound lies between the two.
+# hidden size 128 (the embedded models) 8 steps of the default job took 13.7 user CPU s in bf16
+# against 14.4 in fp32 (assets/bench/tiny-dtype-cpu.txt), no gain for inexact sampler log-probs;
+# at SmolLM2-135M's 576 a step costs less CPU in bf16 (docs/results/smollm2.md). The bound lies
+# between the two.
 BF16_MIN_HIDDEN = 512
 
 

@@ -72,7 +72,8 @@ def test_a_run_records_autos_choice_and_a_resume_keeps_it(tmp_path, monkeypatch)
     brorl.train(brorl.parse_config(["--resume", str(tmp_path / "bf16"), "--steps", "2"]))
     assert recorded("bf16") == "bfloat16"
     # --dtype auto given on resume is the run's own choice, not a new one
-    cfg = brorl.parse_config(["--resume", str(tmp_path / "bf16"), "--steps", "3", "--dtype", "auto"])
+    cfg = brorl.parse_config(["--resume", str(tmp_path / "bf16"), "--steps", "3",
+                              "--dtype", "auto"])
     assert cfg.dtype == "bfloat16"
 
     monkeypatch.setattr(policy, "cpu_bf16", lambda: "AMX")

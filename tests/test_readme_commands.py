@@ -156,14 +156,16 @@ def test_no_command_without_a_dry_form(tmp_path):
 
 @pytest.mark.slow
 def test_the_two_commands_in_order_in_one_tree(tmp_path):
-    """The README's first command's job, then its second command, in one checkout: a copy of the
-    repository's files trains `python brorl.py` at a small size (its run folder under `runs/`, where
-    the default --out puts it), then runs `python -m pytest -q` there: 0 failed. The fast suite
-    must not read what a run leaves beside the code (tests/test_docs.py once read `runs/` as a
-    repository folder)."""
+    """The README's first command's job, then its second command, in one checkout: a clone of the
+    repository (with the work tree's changes) trains `python brorl.py` at a small size (its run
+    folder under `runs/`, where the default --out puts it), then runs `python -m pytest -q` there:
+    0 failed. The fast suite must not read what a run leaves beside the code (tests/test_docs.py
+    once read `runs/` as a repository folder)."""
+    tree = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", "--local", str(ROOT), str(tree)], check=True)
+    # and the work tree's own state over it: what is committed here plus what is not yet
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             cwd=ROOT, capture_output=True, check=True).stdout.decode()
-    tree = tmp_path / "checkout"
     for name in filter(None, listed.split("\0")):
         if (ROOT / name).is_file():  # a file deleted in the work tree is listed but gone
             (tree / name).parent.mkdir(parents=True, exist_ok=True)

@@ -645,7 +645,9 @@ def bench_step(path, ns, new, micro_batch, steps, repeats, threads, params, floo
     trl_ns = [n for n in ns if n in trl_ns] if trl_ns else ns
     trl_said = f"; TRL: bf16={dtype == 'bfloat16'}" if trl_python else ""
     said = (f"{dtype} (brorl: --dtype {dtype}, fp32 weights and AdamW{trl_said})" if dtype
-            else "brorl's --dtype auto" + (", TRL fp32" if trl_python else ""))
+            else ("bfloat16 autocast" if torch.cuda.is_available() else "float32")
+            + " (the bench's default; --dtype bfloat16 for bf16 on a CPU)"
+            + (", TRL fp32" if trl_python else ""))
     print(f"\n== step: 2 prompts x N, {new} new tokens, micro_batch {micro_batch}, {said}, median "
           f"of {repeats} processes x {steps} steps (after one warm-up step each)")
     common = ["--model_dir", str(path), "--prompts", str(prompts), "--new", str(new),

@@ -118,7 +118,6 @@ def main(argv=None):
     if args.prompts < 1 or args.n < 1:
         ap.error(f"--prompts {args.prompts} --n {args.n}: each at least 1")
     cfg = brorl.parse_config(rest)
-    torch.set_num_threads(torch.get_num_threads())
     res = check(cfg, args.prompts, args.n)
     print(f"{res['tokens']} response tokens of {args.prompts} prompts x {args.n} rollouts "
           f"sampled in bf16; |log-prob gap| at quantiles {res['quantiles']}:")

@@ -422,15 +422,18 @@ def pack_rows(kept: list[Group], chosen: list, adv: torch.Tensor, dev) -> tuple:
 def evaluate(model, tok, examples, cfg, gen) -> dict:
     """Held-out pass@1 and pass@k at the paper's eval sampling (T=0.6, top_p=0.95), and greedy.
     pass@k is the unbiased 1 - C(n-c, k) / C(n, k) from n samples (data.pass_at_k), for k = 1, 2,
-    4, ... and n itself; the responses' mean length, truncated share and first few."""
+    4, ... and n itself; the responses' mean length, truncated share and first few. The same
+    responses scored twice: by the task's rules and leniently (verify.py: the rules' verdict or
+    the last number's), so that a gain splits into the answer's form and its value."""
     n, max_new = cfg.eval_samples, cfg.eval_max_new_tokens or cfg.max_new_tokens
     seeds = draw_seeds(gen, len(examples))  # the same seeds on every rank
-    # Each prompt's n samples scored. (P, n) each
-    ro, mine, correct, lengths, truncated = sample_share(model, tok, examples, n, 0.6, 0.95, cfg,
-                                                         seeds, max_new)
+    # Each prompt's n samples scored, by the rules and leniently. (P, n) each
+    ro, mine, correct, lengths, truncated, lenient = sample_share(
+        model, tok, examples, n, 0.6, 0.95, cfg, seeds, max_new, lenient=True)
     # The rollouts are freed before the greedy pass.
     responses, ro = samples.eval_records(examples, ro, mine, correct, lengths, truncated, cfg), None
-    greedy = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg, seeds, max_new)[2]  # (P, 1)
+    _, _, greedy, _, _, greedy_lenient = sample_share(model, tok, examples, 1, 0.0, 1.0, cfg,
+                                                      seeds, max_new, lenient=True)  # (P, 1) each
     ks = sorted({2 ** i for i in range(int(math.log2(n)) + 1)} | {n})
     m = {"eval_pass@1": correct.mean().item(), "eval_greedy_pass@1": greedy.mean().item()}
     for k in ks[1:]:
@@ -440,9 +443,13 @@ def evaluate(model, tok, examples, cfg, gen) -> dict:
     # Each held-out problem's correct samples of n (for paired tests between runs); the mean
     # response length in tokens and the share cut at the length cap; the first few responses
     # (samples.jsonl's, written by harness.Run.log, not metrics.jsonl's).
+    # The lenient reading's pass@1 and greedy pass@1, and its correct samples of each problem.
+    lenient_m = {"eval_lenient_pass@1": lenient.mean().item(),
+                 "eval_greedy_lenient_pass@1": greedy_lenient.mean().item(),
+                 "eval_lenient_correct": [int(c) for c in lenient.sum(1)]}
     return {**m, "eval_correct": [int(c) for c in correct.sum(1)], "eval_resp_len":
             lengths.mean().item(), "eval_truncated": truncated.mean().item(),
-            "eval_responses": responses}
+            **lenient_m, "eval_responses": responses}
 
 
 def eval_only(cfg: Config) -> dict:

@@ -7,6 +7,8 @@ with N = 512 rollouts it runs tens of thousands of times per step. `python verif
     reward(completion, gold, task="math", verifier="rules") -> 1.0 | 0.0
     rewards(completions, golds, ...)  the same for a whole step, in processes where it pays
     extract_answer(text) -> str | None;  is_equiv(pred, gold) -> bool
+    lenient_rewards(completions, golds, ...)  a second, lenient reading (below): the rules' verdict
+    or the last number's;  last_number(text) -> str | None
 
 Tasks. math: extract_answer, then is_equiv with the gold. verifier="both" adds the optional
 math-verify package (imported only when asked) as a second opinion on the same extracted answer:
@@ -74,6 +76,24 @@ Equivalence, the first rule that applies decides
      Fractions compare exactly (0.333 != 1/3, 0.5 == 1/2); otherwise relative tolerance 1e-9.
   6. Otherwise the normalised strings decide (ignoring case for plain words: Yes == yes).
 
+Lenient reading (an instrument: evaluations report it beside the rules' verdict; never a reward)
+  Correct if the rules accept the completion, or if its last number equals the gold, so that
+  lenient minus rules is the share with the right value in the wrong form ("The sum is 57."). The
+  last number, in the completion's last TAIL characters once trailing whitespace is stripped:
+  ASCII digits with an optional sign ('-' or the minus sign U+2212, a sign only where no letter,
+  digit, '_' or '.' comes just before it: '5-3' reads 3, '=-3' reads -3); a comma between groups
+  of three digits is a thousands comma, dropped (1,234 is 1234; '3,4' is 3 then 4); a decimal part
+  '.digits' is kept and compared exactly (57.0 == 57, 57.5 != 57). Digits joined to a letter or '_'
+  on either side are no number ('4th', 'x2', 'abc123'); nor are digits just after a '.' ('.5'). A
+  last number over MAX_NUMBER characters is no number (scores 0; never the number before it). No
+  LaTeX is read: '\boxed{57}' reads 57, '\frac{1}{2}' reads 2. Compared with the gold as the task
+  compares: arith (and keys, verified as arith) equal to the gold integer; sets, one of the gold's
+  values; math, is_equiv(the number, gold). A malformed gold scores 0, as in the rules.
+  On arith and sets the rules' reading is a special case of the last number's (an accepted answer
+  is the text after the last '=', a plain integer of <= 32 characters at the end, with '=', a
+  space or nothing before it): lenient == rules or last-number right. On math it is not (a boxed
+  \frac{1}{2} has last number 2): lenient is still >= rules there, by the "or".
+
 Limits, known and accepted
   - No symbolic algebra: 2x+3 != 3+2x, \sin 30^\circ != 1/2 (verifier="both" covers these).
   - Exact values over MAX_BITS bits and float overflow/underflow are not numbers: 10^{10^{10}}
@@ -107,6 +127,7 @@ REL_TOL = 1e-9     # for comparisons where an irrational (float) value takes par
 MV_TIMEOUT_S = 5   # math-verify's own per-call timeout (its default)
 MV_DECIDED_TIMEOUT_S = 1  # its timeout where the rules read the gold as an exact number (see below)
 MV_LOG_CHARS = 200  # math-verify's log lines (it logs a whole input that timed out) cut to this
+MAX_NUMBER = 64   # chars: the lenient reading's longest number (the rules' integers are <= 32)
 PARALLEL_MIN = 1 << 15  # rewards(): below this many math completions processes do not pay
 TASKS, VERIFIERS = ("math", "arith", "sets"), ("rules", "math_verify", "both")
 
@@ -797,6 +818,58 @@ def _math_verify_gold(mv, gold):
         numeric = False
     parsed = mv.parse("\\boxed{" + gold + "}", parsing_timeout=MV_TIMEOUT_S)
     return parsed, MV_DECIDED_TIMEOUT_S if numeric else MV_TIMEOUT_S
+
+# ----------------------------------------------------------------------------- lenient reading
+
+# A number (rules in the module docstring): sign, digits or thousands groups, a decimal part; not
+# joined to a word. The lookbehind also sees the text before the window, so a cut number is none.
+_NUMBER = re.compile(r"(?<![A-Za-z0-9_.])[-\u2212]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)"
+                     r"(?:\.[0-9]+)?(?![A-Za-z0-9_])")
+
+
+def last_number(text):
+    """The completion's last number as plain text ('-1234', '57.5': the sign '-', no commas), or
+    None: none, or the last one longer than MAX_NUMBER characters."""
+    if not isinstance(text, str):
+        return None
+    s = text.rstrip()
+    last = None
+    for last in _NUMBER.finditer(s, max(0, len(s) - TAIL)):
+        pass
+    if last is None or len(last.group()) > MAX_NUMBER:
+        return None
+    return last.group().replace(",", "").replace("\u2212", "-")
+
+
+def _number_right(completion, gold, task):
+    """Whether the completion's last number is the gold answer (compared as the task compares)."""
+    try:
+        number = last_number(completion)
+        if number is None:
+            return False
+        if task == "math":
+            return is_equiv(number, gold)
+        value = Fraction(number)
+        if task == "sets":
+            return value in _gold_set(gold)
+        gold_int = _gold_int(gold)
+        return gold_int is not None and value == gold_int
+    except Exception:  # a bug here must cost one lenient verdict, never an evaluation
+        return False
+
+
+def lenient_rewards(completions, golds, task="math", verifier="rules", workers=None, rules=None):
+    """1.0 where the rules accept a completion (rewards(), or the verdicts `rules` the caller has
+    already computed for these completions) or its last number is the gold, else 0.0."""
+    _check(task, verifier)
+    if len(completions) != len(golds):
+        raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
+    if rules is None:
+        rules = rewards(completions, golds, task, verifier, workers)
+    elif len(rules) != len(golds):
+        raise ValueError(f"{len(rules)} verdicts but {len(golds)} golds")
+    return [1.0 if r else float(_number_right(c, g, task))
+            for r, c, g in zip(rules, completions, golds)]
 
 # ----------------------------------------------------------------------------- benchmark
 

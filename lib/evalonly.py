@@ -83,7 +83,9 @@ def finish(ev: EvalOnly, m: dict) -> dict:
 def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
     """The eval.json of --eval_only. metrics: {benchmark: evaluate()'s dict}; the report keeps, per
     benchmark, the prompts and samples it rests on, pass@k by k, greedy pass@1, the sampled
-    responses' mean length (tokens) and the share that hit the length cap."""
+    responses' mean length (tokens) and the share that hit the length cap; and the same responses'
+    lenient reading (verify.py: the rules' verdict or the last number's): pass@1 and greedy pass@1
+    under "lenient"."""
     benchmarks = {}
     for name, m in metrics.items():
         ks = sorted(int(k[len("eval_pass@"):]) for k in m if re.fullmatch(r"eval_pass@[0-9]+", k))
@@ -92,6 +94,9 @@ def eval_report(cfg, metrics: dict, prompts: int, seconds: float) -> dict:
                             "greedy_pass@1": m["eval_greedy_pass@1"],
                             "mean_response_tokens": m["eval_resp_len"],
                             "truncation_rate": m["eval_truncated"]}
+        if "eval_lenient_pass@1" in m:  # the same responses read leniently
+            benchmarks[name]["lenient"] = {"pass@1": m["eval_lenient_pass@1"],
+                                           "greedy_pass@1": m["eval_greedy_lenient_pass@1"]}
         if "mass_exact_mean" in m:  # lib/mass.py: per prompt, and its summary
             benchmarks[name]["exact_mass"] = {k[len("mass_exact_"):]: v for k, v in m.items()
                                               if k.startswith("mass_exact_")}
@@ -109,16 +114,19 @@ def write_eval(path: Path, report: dict):
 
 
 def eval_table(report: dict) -> str:
-    """One row per benchmark: pass@k for every k, greedy, mean response length, truncation rate."""
+    """One row per benchmark: pass@k for every k, greedy, mean response length, truncation rate;
+    the lenient reading's pass@1 and greedy ('-' where a report lacks it)."""
     ks = sorted({int(k) for b in report["benchmarks"].values() for k in b["pass@k"]})
     s = report["sampling"]
     head = (f"{report['model']}: pass@k of {s['samples']} samples at T={s['temperature']}, "
             f"top_p={s['top_p']}, <= {s['max_new_tokens']} new tokens; greedy; "
             f"{report['seconds']:.1f}s")
-    cols = ["benchmark", "prompts", *[f"pass@{k}" for k in ks], "greedy", "len", "trunc"]
+    cols = ["benchmark", "prompts", *[f"pass@{k}" for k in ks], "greedy", "len", "trunc",
+            "lenient pass@1", "lenient greedy"]
+    lenient = lambda b, k: f"{b['lenient'][k]:.3f}" if "lenient" in b else "-"
     rows = [[name, str(b["prompts"]), *[f"{b['pass@k'].get(str(k), float('nan')):.3f}" for k in ks],
              f"{b['greedy_pass@1']:.3f}", f"{b['mean_response_tokens']:.1f}",
-             f"{b['truncation_rate']:.3f}"]
+             f"{b['truncation_rate']:.3f}", lenient(b, "pass@1"), lenient(b, "greedy_pass@1")]
             for name, b in report["benchmarks"].items()]
     width = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i,

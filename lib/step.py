@@ -25,35 +25,45 @@ if TYPE_CHECKING:
     from lib.balance import Snapshot
 
 
-def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None):
+def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_new=None, *,
+                 lenient=False):
     """This rank's share of the prompts, n rollouts each (an int, or a list: each prompt's own;
     one sampler call either way), sampled and scored: its Rollouts (None if none), the share (a
-    range into examples), and ALL prompts' rewards, lengths, truncated flags: (P, n) or P (n_p,)."""
+    range into examples), and ALL prompts' rewards, lengths, truncated flags: (P, n) or P (n_p,).
+    With lenient, the same responses' lenient verdicts too (score's), after the flags."""
     mine = distributed.share(len(examples))
     sizes = [n] * len(examples) if isinstance(n, int) else list(n)
-    # Each prompt's rewards, lengths and truncation flags, padded to the most rollouts.
-    scores = torch.zeros(len(mine), 3, max(sizes, default=0), dtype=torch.float64)  # (P', 3, n)
+    # Each prompt's rewards, lengths, truncation flags (and lenient verdicts), padded to the most
+    # rollouts.
+    scores = torch.zeros(len(mine), 4 if lenient else 3, max(sizes, default=0),
+                         dtype=torch.float64)  # (P', 3 or 4, n)
     ro = None
     if len(mine):
         ro = generate(model, tok, [examples[i]["prompt"] for i in mine],
                       n if isinstance(n, int) else sizes[mine.start: mine.stop],
                       max_new or cfg.max_new_tokens, temperature, top_p, cfg.max_rows,
                       seeds[mine.start: mine.stop], cfg.system_prompt)
-        r = score(ro, [examples[i]["answer"] for i in mine], examples[0]["task"], cfg.verifier,
-                  tok).flatten()  # (this rank's rows,)
-        rows = torch.stack([r, ro.mask.sum(1), ro.truncated]).double()  # (3, this rank's rows)
+        answers, task = [examples[i]["answer"] for i in mine], examples[0]["task"]
+        # The rules' rewards, and with lenient the lenient verdicts. (B', n) each, one or two
+        r = (score(ro, answers, task, cfg.verifier, tok, lenient=True) if lenient
+             else (score(ro, answers, task, cfg.verifier, tok),))
+        r = [x.flatten() for x in r]  # (this rank's rows,) each
+        rows = torch.stack([r[0], ro.mask.sum(1), ro.truncated, *r[1:]]).double()  # (3 or 4, rows)
         for j, part in enumerate(rows.split(sizes[mine.start: mine.stop], 1)):
             scores[j, :, : part.shape[1]] = part
-    r, lengths, truncated = distributed.gather(scores).unbind(1)  # (len(examples), n) each
+    r, lengths, truncated, *rl = distributed.gather(scores).unbind(1)  # (len(examples), n) each
     own = lambda x: x if isinstance(n, int) else [x[i, :k] for i, k in enumerate(sizes)]
-    return ro, mine, *map(own, (r.float(), lengths, truncated))  # or each (n_p,) for a list
+    # Each (P, n), or each (n_p,) for a list; the lenient verdicts last when asked.
+    return ro, mine, *map(own, (r.float(), lengths, truncated, *(x.float() for x in rl)))
 
 
 def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
-          tok=None) -> torch.Tensor:
+          tok=None, lenient=False):
     """Rewards (B, N), or (sum n_j,) for prompts of unequal n: the verifier on each response; a
     truncated one scores 0. A response is scored with the <think> its prompt opened (R1-Distill's
-    template ends with one), so that an unfinished think block does not count."""
+    template ends with one), so that an unfinished think block does not count. With lenient, a
+    pair: the rewards and, of the same texts, verify.lenient_rewards (the rules' verdict or the
+    last number's; truncated 0 too: a response cut at the cap has no last word)."""
     prompts = [tok.decode(ids) if tok is not None else "" for ids in rollouts.prompt_ids]
     # Whether each prompt leaves a think block open. (B,)
     opened = ["<think>" if p.rfind("<think>") > p.rfind("</think>") else "" for p in prompts]
@@ -65,7 +75,14 @@ def score(rollouts: Rollouts, answers, task: str, verifier: str = "rules",
     r = torch.tensor(verify.rewards(texts, golds, task=task, verifier=verifier),
                      dtype=torch.float32)
     r[rollouts.truncated] = 0.0
-    return r.view(-1, rollouts.n) if isinstance(rollouts.n, int) else r
+    shape = lambda x: x.view(-1, rollouts.n) if isinstance(rollouts.n, int) else x
+    if not lenient:
+        return shape(r)
+    # The lenient verdicts of the same texts, the rules' reused (scored once). (B*N,)
+    rl = torch.tensor(verify.lenient_rewards(texts, golds, task, verifier, rules=r.tolist()),
+                      dtype=torch.float32)
+    rl[rollouts.truncated] = 0.0
+    return shape(r), shape(rl)
 
 
 @dataclass

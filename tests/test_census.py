@@ -62,6 +62,8 @@ def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
     run(whole)
     rows = (whole / "census.jsonl").read_text().splitlines()
     assert len(rows) == 3 and [json.loads(r)["index"] for r in rows] == [0, 1, 2]
+    # Each record also counts its samples right by the lenient reading (verify.py): >= right.
+    assert all(r["right"] <= r["right_lenient"] <= r["samples"] for r in map(json.loads, rows))
     # As a kill after the first prompt leaves it: the header and one record.
     part.mkdir()
     (part / "census.json").write_text((whole / "census.json").read_text())
@@ -73,6 +75,17 @@ def test_a_killed_census_continues_to_the_uninterrupted_records(tmp_path):
     assert (part / "census.jsonl").read_text() == (whole / "census.jsonl").read_text()
     # Each prompt's samples are its own: the second prompt alone, from its own seed, is the same.
     assert census.prompt_seed(0, 1) != census.prompt_seed(0, 2) != census.prompt_seed(1, 1)
+
+
+def test_a_record_without_the_lenient_count_is_an_older_censuss():
+    """right_lenient is optional (a census recorded before it still reads and continues); where it
+    is, it lies between right and samples."""
+    old = dict(index=0, prompt="1+2=", answer="3", right=2, samples=8, mean_len=3.0, truncated=0)
+    assert census.is_record(old, 1, 8)
+    assert census.is_record({**old, "right_lenient": 2}, 1, 8)
+    assert census.is_record({**old, "right_lenient": 8}, 1, 8)
+    for bad in (1, 9, 2.0, "2", None):
+        assert not census.is_record({**old, "right_lenient": bad}, 1, 8), bad
 
 
 @pytest.mark.slow

@@ -52,8 +52,8 @@ RUNNER = textwrap.dedent('''
         return pack(kept, *a)
     brorl.pack_groups = counting_pack
     share = step.sample_share
-    def recording_share(model, tok, examples, n, *a):
-        ro, mine, r, *scores = share(model, tok, examples, n, *a)
+    def recording_share(model, tok, examples, n, *a, **k):
+        ro, mine, r, *scores = share(model, tok, examples, n, *a, **k)
         calls.append(dict(prompts=[examples[i]["prompt"] for i in mine], texts=ro.texts if ro else [],
                           rewards=r.tolist() if torch.is_tensor(r) else [x.tolist() for x in r]))
         return ro, mine, r, *scores

@@ -179,6 +179,51 @@ def test_completion_is_scored_with_the_think_its_prompt_opened():
     assert step.score(rollouts(tok), ["5"], "math", "rules", tok).tolist() == [[0.0, 1.0, 0.0]]
 
 
+def test_score_reads_the_same_responses_leniently_too():
+    """step.score(lenient=True): the rules' rewards as without it, and of the same texts the lenient
+    verdicts (verify.lenient_rewards); a truncated response scores 0 in both."""
+    tok = data.build_tokenizer()
+    texts = ["57", "The sum is 57.", "58", "57", "so 57"]
+    R = len(texts)
+    zeros = torch.zeros(R, 2)
+    truncated = torch.tensor([False, False, False, True, True])
+    ro = sampler.Rollouts([sampler.encode_prompt(tok, "12+45=")], zeros.long(), zeros.bool(), zeros,
+                          zeros, truncated, texts, R)
+    rules, lenient = step.score(ro, ["57"], "arith", "rules", tok, lenient=True)
+    assert torch.equal(rules, step.score(ro, ["57"], "arith", "rules", tok))
+    assert rules.tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    assert lenient.tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]
+
+
+def test_evaluation_scores_each_response_twice(monkeypatch):
+    """brorl.evaluate on the tiny embedded model: the rules' figures and the lenient ones of the
+    same responses, lenient >= rules problem by problem; with every last number counted right, the
+    lenient figures are the untruncated share, and the rules' figures are unchanged (no sampling
+    or scoring of the rules depends on the second reading)."""
+    cfg = brorl.parse_config(["--eval_prompts", "16", "--eval_samples", "4"])
+    cfg, device, _, eval_set, model, tok, _ = setup.setup(cfg, cfg.model, "--model",
+                                                          with_train_set=False)
+
+    def evaluate():
+        with torch.no_grad():
+            return brorl.evaluate(model.eval(), tok, eval_set, cfg,
+                                  setup.eval_generator(device, cfg.seed, 0))
+
+    m = evaluate()
+    rules_keys = ["eval_pass@1", "eval_greedy_pass@1", "eval_pass@4", "eval_correct",
+                  "eval_resp_len", "eval_truncated"]
+    assert len(m["eval_lenient_correct"]) == len(m["eval_correct"]) == 16
+    assert all(x >= c for x, c in zip(m["eval_lenient_correct"], m["eval_correct"]))
+    assert m["eval_lenient_pass@1"] == pytest.approx(sum(m["eval_lenient_correct"]) / 64, abs=1e-6)
+    assert m["eval_greedy_lenient_pass@1"] >= m["eval_greedy_pass@1"]
+    assert 0 < m["eval_pass@1"] < 1  # a model that gets some right and some wrong
+    monkeypatch.setattr(verify, "_number_right", lambda *a: True)
+    every = evaluate()
+    assert [every[k] for k in rules_keys] == [m[k] for k in rules_keys]
+    assert every["eval_lenient_pass@1"] == pytest.approx(1 - m["eval_truncated"], abs=1e-6)
+    assert every["eval_greedy_lenient_pass@1"] == 1.0 and m["eval_greedy_pass@1"] < 1.0
+
+
 # ----------------------------------------------------------------------------
 # the smaller rules of a step
 

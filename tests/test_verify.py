@@ -425,3 +425,81 @@ def test_rewards_survives_a_dead_worker_pool(monkeypatch):
     monkeypatch.setattr(verify, "_pool", lambda workers: Broken())
     monkeypatch.setattr(verify._pool, "cache_clear", lambda: None, raising=False)
     assert rewards(["\\boxed{2}", "\\boxed{3}"], ["2", "2"], workers=2) == [1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------
+# the lenient reading: the rules' verdict or the last number's
+
+
+LAST_NUMBER = [  # (completion, its last number as last_number reads it)
+    ("The sum is 57.", "57"), ("57", "57"), ("  57 \n\n", "57"), ("57!", "57"), ("(57)", "57"),
+    ("no number here", None), ("", None), (None, None), (57, None), (b"57", None),
+    ("12 + 45 = 57, so 57 or maybe 58", "58"), ("1 2 3", "3"),
+    ("x = -3", "-3"), ("=-3", "-3"), ("5-3", "3"), ("a-3", "3"), ("\u22127", "-7"), ("--7", "-7"),
+    ("1,234", "1234"), ("-1,234,567.", "-1234567"), ("3,4", "4"), ("1234,567", "567"),
+    ("57.0", "57.0"), ("57.5.", "57.5"), (".5", None), ("1.", "1"),
+    ("57th", None), ("x2", None), ("abc123", None), ("e=mc2", None), ("H2O is 18", "18"),
+    ("a_1 = 4", "4"), ("4_", None), ("\\boxed{57}", "57"), ("$\\boxed{-57}$.", "-57"),
+    ("\\frac{1}{2}", "2"), ("x^2", "2"), ("\uff15\uff17", None), ("\u0663", None),
+    ("9" * 64, "9" * 64), ("9" * 65, None), ("1 " + "9" * 65, None), ("5 " + "9" * MB, None),
+    ("7 " + "x" * MB, None), ("7" + " " * MB, "7"), ("-" * MB, None),
+    ("7 " + "," * MB, None), ("7 " + "," * 2000, "7"),  # only the last TAIL characters are read
+]
+
+
+@pytest.mark.parametrize("text,expected", LAST_NUMBER)
+def test_last_number(text, expected):
+    assert verify.last_number(text) == expected
+
+
+LENIENT = [  # (completion, gold, task, rules' verdict, lenient verdict)
+    ("57", "57", "arith", 1.0, 1.0), ("The sum is 57.", "57", "arith", 0.0, 1.0),
+    ("12+45=57", "57", "arith", 1.0, 1.0), ("57 is not it, 58", "57", "arith", 0.0, 0.0),
+    ("57.0", "57", "arith", 0.0, 1.0), ("57.5", "57", "arith", 0.0, 0.0),
+    ("=-3", "-3", "arith", 1.0, 1.0), ("\u22123", "-3", "arith", 0.0, 1.0),
+    ("1,234", "1234", "arith", 0.0, 1.0), ("57th", "57", "arith", 0.0, 0.0),
+    ("\\boxed{57}", "57", "arith", 0.0, 1.0), ("57", "5x", "arith", 0.0, 0.0),
+    ("57", None, "arith", 0.0, 0.0), ("the value is 123", "100, 123", "sets", 0.0, 1.0),
+    ("123", "100,123", "sets", 1.0, 1.0), ("124", "100,123", "sets", 0.0, 0.0),
+    ("100, 123", "100,123", "sets", 0.0, 1.0), ("123", "a,b", "sets", 0.0, 0.0),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}", "math", 1.0, 1.0),  # the rules' yes stands
+    ("so it is 0.5", "\\frac{1}{2}", "math", 0.0, 1.0),
+    ("so it is 2", "\\frac{1}{2}", "math", 0.0, 0.0),
+    ("\\boxed{4}, then 5", "4", "math", 1.0, 1.0), ("\\boxed{4}, then 5", "5", "math", 0.0, 1.0),
+    ("so 1,000", "1000", "math", 0.0, 1.0), ("so 7", None, "math", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,task,rules,lenient", LENIENT)
+def test_lenient_reading(completion, gold, task, rules, lenient):
+    assert reward(completion, gold, task) == rules
+    assert verify.lenient_rewards([completion], [gold], task) == [lenient]
+
+
+def test_lenient_is_at_least_the_rules_and_never_raises():
+    """On every table of this file, the ugly ones included: the lenient verdict is never below the
+    rules', and reusing the rules' verdicts (rules=) changes nothing."""
+    for task, table in (("math", [(c, g) for c, g, _ in RED_TEAM] + BULK),
+                        ("arith", [(c, g) for c, g, _ in ARITH]),
+                        ("sets", [(c, "579,12") for c, _, _ in ARITH])):
+        completions, golds = map(list, zip(*table))
+        rules = rewards(completions, golds, task, workers=1)
+        lenient = verify.lenient_rewards(completions, golds, task, workers=1)
+        assert all(x >= r for x, r in zip(lenient, rules)) and set(lenient) <= {0.0, 1.0}
+        assert verify.lenient_rewards(completions, golds, task, rules=rules) == lenient
+        assert sum(lenient) > sum(rules) or task == "math"  # the tables hold right sums misspelt
+    with pytest.raises(ValueError):
+        verify.lenient_rewards(["1"], ["1", "2"], "arith")
+    with pytest.raises(ValueError):
+        verify.lenient_rewards(["1"], ["1"], "arith", rules=[])
+
+
+def test_on_integer_tasks_the_rules_are_a_special_case_of_the_last_number():
+    """arith (and keys) and sets: every completion the rules accept has the gold as its last
+    number, so lenient == rules or last-number right, the difference being form alone."""
+    table = [(c, g) for c, g, _ in ARITH] + [(f"{a}+{b}={a + b}", str(a + b)) for a in (-7, 0, 98)
+                                             for b in (5, 120)] + [(" \n=-0042 \n", "-42")]
+    for c, g in table:
+        if reward(c, g, "arith"):
+            assert int(verify.last_number(c)) == int(g), c
+    assert sum(reward(c, g, "arith") for c, g in table) >= 8

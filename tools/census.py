@@ -81,6 +81,8 @@ def pass_at_k(right: int, n: int, k: int) -> float:
 # A record's fields, each with the types it may hold: what the report reads of every prompt.
 RECORD = dict(index=(int,), prompt=(str,), answer=(str,), right=(int,), samples=(int,),
               mean_len=(int, float), truncated=(int,))
+# right_lenient: the samples right by verify.py's lenient reading (the rules' verdict or the last
+# number's), between right and samples; a census recorded before it was kept lacks it.
 
 
 def read_header(head_path: Path) -> dict:
@@ -102,7 +104,9 @@ def is_record(row, n: int, samples: int) -> bool:
     return (isinstance(row, dict)
             and all(type(row.get(k)) in kinds for k, kinds in RECORD.items())
             and row["index"] == n - 1 and row["samples"] == samples
-            and 0 <= row["right"] <= samples and 0 <= row["truncated"] <= samples)
+            and 0 <= row["right"] <= samples and 0 <= row["truncated"] <= samples
+            and ("right_lenient" not in row or type(row["right_lenient"]) is int
+                 and row["right"] <= row["right_lenient"] <= samples))
 
 
 def read_records(path: Path, header: dict) -> list:
@@ -154,15 +158,16 @@ def run_census(out: Path, samples: int, brorl_args: list, first: int = None):
     with torch.no_grad():
         for i in range(len(rows), min(first or len(eval_set), len(eval_set))):
             ex = eval_set[i]
-            _, _, r, lengths, truncated = brorl.sample_share(
+            _, _, r, lengths, truncated, lenient = brorl.sample_share(
                 model.eval(), tok, [ex], samples, cfg.temperature, cfg.top_p, cfg,
-                [prompt_seed(cfg.seed, i)])  # (1, samples) each
+                [prompt_seed(cfg.seed, i)], lenient=True)  # (1, samples) each
             rows.append(dict(index=i, prompt=ex["prompt"], answer=ex["answer"],
                              right=int(r.sum()), samples=samples,
                              mean_len=round(float(lengths.mean()), 3),
-                             truncated=int(truncated.sum())))
+                             truncated=int(truncated.sum()), right_lenient=int(lenient.sum())))
             write_atomic(path, "".join(json.dumps(x) + "\n" for x in rows))
-            print(f"prompt {i}: {rows[-1]['right']} / {samples} right")
+            print(f"prompt {i}: {rows[-1]['right']} / {samples} right "
+                  f"({rows[-1]['right_lenient']} leniently)")
 
 
 # ----------------------------------------------------------------------------

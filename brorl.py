@@ -273,23 +273,16 @@ def ppo_token_loss(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c=3.0):
 def policy_token_loss(logp, old_logp, adv, mask, cfg):
     """--loss: the policy loss per token (r, T), the ratio, where the clip binds (PPO, GSPO: zero
     gradient there; CISPO: the weight truncated, the gradient kept; SAPO: none, its gate only
-    fades). Dual-clip is PPO's alone (verl): the others' bounds cap it."""
+    fades). PPO's is here; an alternative is its entry of lib/objectives.OBJECTIVES. Dual-clip is
+    PPO's alone (verl): the others' bounds cap it."""
+    if alternative := OBJECTIVES[cfg.loss].token_loss:  # None: PPO-clip, the paper's, below
+        return alternative(logp, old_logp, adv, mask, cfg)
     a = adv[:, None]  # (r, 1)
-    if cfg.loss == "sapo":
-        loss, ratio = sapo_token_loss(logp, old_logp, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-        return loss, ratio, torch.zeros_like(mask, dtype=torch.bool)
-    if cfg.loss == "cispo":
-        loss, ratio = cispo_token_loss(logp, old_logp, adv, cfg.clip_high)
-        return loss, ratio, ratio > 1 + cfg.clip_high
-    if cfg.loss == "gspo":
-        lo, hi = cfg.gspo_clip_low, cfg.gspo_clip_high
-        loss, ratio = gspo_token_loss(logp, old_logp, adv, mask, lo, hi)
-    else:
-        lo, hi = cfg.clip_low, cfg.clip_high
-        loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
+    lo, hi = cfg.clip_low, cfg.clip_high
+    loss, ratio = ppo_token_loss(logp, old_logp, adv, lo, hi, cfg.clip_ratio_c)
     clipped = ((ratio > 1 + hi) & (a > 0)) | ((ratio < 1 - lo) & (a < 0))  # (r, T)
-    # Under PPO, dual-clip also binds where a negative advantage's ratio passes c.
-    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0) & (cfg.loss == "ppo"))
+    # Dual-clip also binds where a negative advantage's ratio passes c.
+    return loss, ratio, clipped | ((ratio > cfg.clip_ratio_c) & (a < 0))
 
 
 def tis_weight(old_logp, sampler_logp, cap):

@@ -172,3 +172,31 @@ def test_an_out_that_is_a_file_or_a_bad_task_is_one_line_before_out_is_made(tmp_
     line = refused(capsys, ["--out", str(tmp_path / "file"), "--", *TINY])
     assert f"--out {tmp_path / 'file'}: cannot make it (a file is in the way)" in line
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_census_samples_in_the_dtype_it_began_in(tmp_path, monkeypatch):
+    """--dtype auto's choice is the census's: on a CPU that computes bf16 natively (made so here)
+    a new census samples under bf16 autocast and its header says so; one begun in fp32 (a header
+    naming no dtype, as every census before --dtype auto chose bf16) goes on in fp32."""
+    import brorl
+    import torch
+    from lib import policy
+    monkeypatch.setattr(policy, "cpu_bf16", lambda: "AVX512_BF16")
+    monkeypatch.setattr(policy, "BF16_MIN_HIDDEN", 0)  # the embedded model counts as wide
+    seen, real = [], brorl.sample_share
+
+    def spy(*args, **kw):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(brorl, "sample_share", spy)
+    census.run_census(tmp_path / "new", 4, TINY, first=1)
+    assert json.loads((tmp_path / "new" / "census.json").read_text())["dtype"] == "bfloat16"
+    assert seen == [torch.bfloat16]
+    old = tmp_path / "old"
+    old.mkdir()
+    head = json.loads((tmp_path / "new" / "census.json").read_text())
+    (old / "census.json").write_text(json.dumps({k: v for k, v in head.items() if k != "dtype"}))
+    seen.clear()
+    census.run_census(old, 4, TINY, first=1)
+    assert seen == [None] and "dtype" not in json.loads((old / "census.json").read_text())

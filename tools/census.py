@@ -24,10 +24,13 @@ same command continues after the last recorded prompt (another command's census 
   python -m tools.census --report runs/census-base [runs/census-trained]   # table, zones, moves
 
 --first K stops after the first K prompts (a census cut to a budget); the same command with a
-larger K, or without it, goes on from the prompts recorded.
+larger K, or without it, goes on from the prompts recorded. It samples in the run's compute dtype
+(--dtype; auto is bf16 on a CPU that computes it natively), named in census.json unless fp32, and
+goes on in the dtype it began in.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -144,18 +147,27 @@ def run_census(out: Path, samples: int, brorl_args: list, first: int = None):
     import brorl
     from lib.rundir import write_atomic
     from lib.setup import setup
+    from lib.policy import autocast
     cfg = brorl.parse_config(brorl_args)
     header = dict(samples=samples, argv=brorl_args, temperature=cfg.temperature, top_p=cfg.top_p,
                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    # A census goes on in the dtype it began in: its header names it, unless fp32 (the censuses
+    # made before --dtype auto chose bf16 on a CPU that computes it natively name none).
+    if (out / "census.json").is_file() and cfg.dtype == "auto":
+        began = read_header(out / "census.json").get("dtype", "float32")
+        cfg = dataclasses.replace(cfg, dtype=began)
+        header.update({"dtype": began} if began != "float32" else {})
     path = out / "census.jsonl"
     rows = read_records(path, header)
     # The model and --task read (a refusal of either one line) before --out is made.
-    cfg, _, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model", with_train_set=False)
+    cfg, device, _, eval_set, model, tok, _ = setup(cfg, cfg.model, "--model",
+                                                    with_train_set=False)
+    header.update({"dtype": cfg.dtype} if cfg.dtype != "float32" else {})
     study.make_folders(out)
     write_atomic(out / "census.json", json.dumps(header) + "\n")
     print(f"census: {len(eval_set)} prompts, {samples} samples each at T = {cfg.temperature}; "
           f"{len(rows)} recorded")
-    with torch.no_grad():
+    with torch.no_grad(), autocast(cfg, device):  # (no weight changes: one region)
         for i in range(len(rows), min(first or len(eval_set), len(eval_set))):
             ex = eval_set[i]
             _, _, r, lengths, truncated, lenient = brorl.sample_share(

@@ -20,6 +20,7 @@ Citation formats (strict, so that they can be checked):
 
 import dataclasses
 import importlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -1177,3 +1178,27 @@ def test_loss_agg_help_says_what_auto_runs():
     said = {a or b for a, b in said}
     aggregation = import_module("objectives").aggregation
     assert losses and said == {x for x in losses if aggregation(x, "auto") == "sequence"}, (said, losses)
+
+
+def test_the_smollm2_bf16_figures_are_the_raw_files():
+    """smollm2.md's bf16 table, its paired test and its side-by-side CPU ratio recompute from
+    assets/smollm2's raw files (each run's metrics.jsonl)."""
+    from tools import stats
+    raw = ROOT / "assets" / "smollm2"
+    rows = lambda name: [json.loads(x) for x in (raw / name).read_text().splitlines()]
+    page = (ROOT / RESULTS / "smollm2.md").read_text().split("## bf16 on this CPU")[1]
+    cpu = lambda r: f"{r[-1]['time_train_cpu'] / r[-1]['step']:.1f}"
+    at = lambda r, step: next(x["eval_pass@1"] for x in r if x["step"] == step)
+    bf16, fp32 = [], []
+    for s in range(3):
+        b, f = rows(f"bf16-seed{s}.jsonl"), rows(f"seed{s}.jsonl")
+        bf16.append(at(b, 8))
+        fp32.append(at(f, 8))
+        curve = " / ".join(f"{at(b, k):.3f}" for k in (0, 4, 8))
+        assert f"| {s} | {curve} | {fp32[-1]:.3f} | {cpu(b)} ({cpu(f)}) |" in page, s
+    test = stats.paired(bf16, fp32)
+    assert f"+{test['mean']:.3f} (paired t, 3 seeds, p {test['p']:.2f})" in page
+    beside = rows("fp32-beside-bf16-seed0.jsonl")
+    ratio = float(cpu(rows("bf16-seed0.jsonl"))) / float(cpu(beside))
+    assert f"{cpu(rows('bf16-seed0.jsonl'))} against {cpu(beside)} CPU s" in " ".join(page.split())
+    assert f"**{ratio:.2f}x**" in page

@@ -174,6 +174,7 @@ def test_an_out_that_is_a_file_or_a_bad_task_is_one_line_before_out_is_made(tmp_
     assert (tmp_path / "file").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_census_samples_in_the_dtype_it_began_in(tmp_path, monkeypatch):
     """--dtype auto's choice is the census's: on a CPU that computes bf16 natively (made so here)
     a new census samples under bf16 autocast and its header says so; one begun in fp32 (a header
@@ -200,3 +201,9 @@ def test_a_census_samples_in_the_dtype_it_began_in(tmp_path, monkeypatch):
     seen.clear()
     census.run_census(old, 4, TINY, first=1)
     assert seen == [None] and "dtype" not in json.loads((old / "census.json").read_text())
+    # A dtype given goes on as given: the same command continues its census.
+    seen.clear()
+    for first in (1, 2):
+        census.run_census(tmp_path / "given", 4, [*TINY, "--dtype", "bfloat16"], first=first)
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert len((tmp_path / "given" / "census.jsonl").read_text().splitlines()) == 2

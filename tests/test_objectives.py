@@ -9,6 +9,7 @@ import json
 import math
 import random
 import re
+import subprocess
 import tokenize
 from pathlib import Path
 
@@ -456,11 +457,14 @@ def test_focal_gamma_reaches_the_update_and_is_checked(tmp_path):
 # the update read it, so a loss is one entry, and its name is spelled nowhere else in the code.
 
 def _shipped_code():
-    """Every Python file of the repository but the tests (and the virtual environment)."""
+    """Every Python file git tracks or would (not ignored), but the tests: what a clone holds, not
+    what a run or an install left beside it."""
     root = Path(__file__).resolve().parents[1]
-    skip = {"tests", ".venv", ".git", "node_modules"}
-    return root, [p for p in sorted(root.rglob("*.py"))
-                  if not skip & set(p.relative_to(root).parts) and p.name != "test_brorl.py"]
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "*.py"], cwd=root, capture_output=True, text=True, check=True)
+    files = [root / f for f in listed.stdout.split()]
+    return root, [p for p in sorted(files) if p.is_file() and p.parts[len(root.parts)] != "tests"
+                  and p.name != "test_brorl.py"]
 
 
 def _loss_names_spelled(path: Path, names) -> list:

@@ -195,6 +195,7 @@ def test_score_reads_the_same_responses_leniently_too():
     assert lenient.tolist() == [[1.0, 1.0, 0.0, 0.0, 0.0]]
 
 
+@pytest.mark.slow
 def test_evaluation_scores_each_response_twice(monkeypatch):
     """brorl.evaluate on the tiny embedded model: the rules' figures and the lenient ones of the
     same responses, lenient >= rules problem by problem; with every last number counted right, the

@@ -155,8 +155,10 @@ def run_census(out: Path, samples: int, brorl_args: list, first: int = None):
     # made before --dtype auto chose bf16 on a CPU that computes it natively name none).
     if (out / "census.json").is_file() and cfg.dtype == "auto":
         began = read_header(out / "census.json").get("dtype", "float32")
+        if began not in ("float32", "bfloat16"):
+            fail(f"{out / 'census.json'}: its dtype {began!r} is not float32 or bfloat16")
         cfg = dataclasses.replace(cfg, dtype=began)
-        header.update({"dtype": began} if began != "float32" else {})
+    header.update({"dtype": cfg.dtype} if cfg.dtype not in ("auto", "float32") else {})
     path = out / "census.jsonl"
     rows = read_records(path, header)
     # The model and --task read (a refusal of either one line) before --out is made.

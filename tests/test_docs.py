@@ -1180,6 +1180,24 @@ def test_loss_agg_help_says_what_auto_runs():
     assert losses and said == {x for x in losses if aggregation(x, "auto") == "sequence"}, (said, losses)
 
 
+def test_the_smollm2_form_figures_are_the_raw_files():
+    """smollm2.md's form against arithmetic: the stored held-out responses of the three fp32 seeds
+    rescored by the rules and leniently (verify.lenient_rewards), at the first and last step."""
+    import verify
+    rows = [json.loads(x) for s in range(3) for x in
+            (ROOT / "assets" / "smollm2" / f"seed{s}-samples.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    share = {}
+    for step in (0, 8):
+        at = [r for r in evals if r["step"] == step]
+        lenient = verify.lenient_rewards([r["response"] for r in at], [r["answer"] for r in at])
+        share[step] = (len(at), sum(r["reward"] for r in at) / len(at), sum(lenient) / len(at))
+    flat = " ".join((ROOT / RESULTS / "smollm2.md").read_text().split())
+    assert share[0][0] == share[8][0] == 48
+    assert (f"right {share[0][2]:.3f} -> {share[8][2]:.3f} against the rules' {share[0][1]:.3f} -> "
+            f"{share[8][1]:.3f}") in flat
+
+
 def test_the_smollm2_bf16_figures_are_the_raw_files():
     """smollm2.md's bf16 table, its paired test and its side-by-side CPU ratio recompute from
     assets/smollm2's raw files (each run's metrics.jsonl)."""

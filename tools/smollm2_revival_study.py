@@ -11,7 +11,16 @@ Three phases, every run a `python brorl.py` in a subprocess on one thread:
           goes on from the last recorded chunk), until the plateau rule below holds.
   census  at the plateau, before any arm: the first --census_prompts held-out prompts x 512
           samples at the training temperature (tools/census.py), and the go/no-go below.
-  arms    from the plateau checkpoint, paired by seed (not built yet: the census decides first).
+  arms    only on a go: from the plateau checkpoint (its weights and AdamW moments), seeds 0-4,
+          each arm one run a seed, then each run's end censused (END_PROMPTS x END_SAMPLES):
+            n16       N = 16 continued, STEPS steps
+            n256      N = 256 at equal steps and lr
+            n256-lr   N = 256 at the paper's lr rule, lr x sqrt(256 / 16)
+            n16-long  N = 16 for as many rollouts as n256 (16x the steps)
+  report  each arm against n16, paired by seed (report(): written before any arm's end was read):
+          held-out pass@1 at the end, and the end censuses' pass@1, pass@16, pass@256 and the
+          plateau census's reach prompts lifted to >= 1/16; per test the mean difference, its paired
+          interval, paired t and sign p, and the power at the seeds run for an effect fixed now.
 
 The plateau, fixed before the trunk ran: at an eval step s >= WINDOW, over the evaluations in
 (s - WINDOW, s] (one every EVAL_EVERY steps), the ordinary least squares slope against the step of
@@ -29,14 +38,17 @@ revivals could not exceed what seed noise gives (the toy's N = 16 revived 0-3 pr
 
 Raw files, committed as they land: assets/smollm2-revival/trunk/metrics.jsonl (rewritten after
 each chunk, the trunk's flags in its first row), trunk/chunks.jsonl (each chunk's steps and CPU
-seconds), trunk/plateau.json (the rule's numbers at the branch point), census-plateau/ (the census).
+seconds), trunk/plateau.json (the rule's numbers at the branch point), census-plateau/ (the census
+and go.json), arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl), census-arms/<arm>/seed<S>/.
 
   python -m tools.smollm2_revival_study --out runs/smollm2-revival               # trunk, census
   python -m tools.smollm2_revival_study --out runs/smollm2-revival --only trunk
+  python -m tools.smollm2_revival_study --report                                  # the tests
 """
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +70,22 @@ TRUNK_FLAGS = ["--preset", "smollm2", "--dtype", "bfloat16", "--eval_every", str
                "--eval_prompts", "128", "--eval_samples", "8", "--probe_prompts", "48",
                "--probe_samples", "16", "--seed", "0"]
 PLATEAU_KEYS = ("step", "pass1", "mass", "plateau", "verdict")
+# The arms, from the plateau's checkpoint with its AdamW moments, one run a seed. N = 256, not 512:
+# the largest N whose two arms fit the plan at 5 seeds (docs/results/smollm2-revival.md).
+STEPS, BIG = 4, 256
+LR = 1e-5  # the preset's; the paper's rule: x sqrt(samples a step's ratio) = x sqrt(BIG / 16)
+ARMS = {  # name: (flags, steps)
+    "n16": ([], STEPS),
+    f"n{BIG}": (["--n_rollouts", str(BIG), "--micro_batch", "64"], STEPS),
+    f"n{BIG}-lr": (["--n_rollouts", str(BIG), "--micro_batch", "64", "--lr",
+                    f"{LR * (BIG / 16) ** 0.5:g}"], STEPS),
+    "n16-long": ([], STEPS * BIG // 16),  # N = 16 for as many rollouts as N = BIG's
+}
+END_PROMPTS, END_SAMPLES = 48, 256  # each arm's end censused on the plateau census's first 48
+# The effects each test's power is computed for, fixed before any arm ran: a held-out pass@1 or a
+# census pass@k of +0.05, and one more reach prompt lifted to >= 1/16.
+EFFECT = {"held-out pass@1": 0.05, "pass@1": 0.05, "pass@16": 0.05, "pass@256": 0.05,
+          "reach prompts lifted": 1.0}
 
 
 def slope_test(points: list) -> dict:
@@ -170,19 +198,137 @@ def plateau_census(out: Path, raw: Path, first: int) -> dict:
     return verdict
 
 
+# ----------------------------------------------------------------------------
+# The arms and their end censuses
+
+
+def arm_argv(arm: str, seed: int, out: Path) -> list:
+    """One arm run's flags: the trunk's from its branch checkpoint (weights and AdamW moments), the
+    arm's, its seed; evaluated at its start and end."""
+    flags, steps = ARMS[arm]
+    argv = [*TRUNK_FLAGS]
+    for flag, value in [("--seed", str(seed)), ("--eval_every", str(steps)),
+                        *zip(flags[::2], flags[1::2])]:  # the trunk's value replaced, or added
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return [*argv, "--init_from", str(out / "trunk-branch"), "--init_optimizer",
+            "--steps", str(steps), "--out", str(out / "arms" / arm / f"seed{seed}")]
+
+
+def arm_jobs(out: Path, raw: Path, seeds: list) -> list:
+    """Every arm's runs, seed by seed (a study cut short is balanced)."""
+    return [study.Job(f"{arm} seed {s}", arm_argv(arm, s, out), out / "arms" / arm / f"seed{s}",
+                      raw / "arms" / arm / f"seed{s}.jsonl", out / "arms" / f"{arm}-seed{s}.log")
+            for s in seeds for arm in ARMS]
+
+
+def end_census_argv(arm: str, seed: int, out: Path, raw: Path) -> list:
+    """The census of an arm run's end: the plateau census's prompts, seed and flags."""
+    argv = census_argv(out, raw, END_PROMPTS)
+    argv[argv.index("--out") + 1] = str(raw / "census-arms" / arm / f"seed{seed}")
+    argv[argv.index("--samples") + 1] = str(END_SAMPLES)
+    argv[-1] = str(out / "arms" / arm / f"seed{seed}" / "ckpt")
+    return argv
+
+
+def arms(out: Path, raw: Path, seeds: list, jobs: int):
+    """Every arm's runs, `jobs` at a time (a rerun skips those whose raw file exists), then each
+    finished run's end census, one at a time (each goes on from its recorded prompts)."""
+    if not (out / "trunk-branch" / "ckpt").is_dir() or not (raw / "census-plateau" /
+                                                              "go.json").is_file():
+        fail(f"no plateau census yet ({raw / 'census-plateau' / 'go.json'}, "
+             f"{out / 'trunk-branch' / 'ckpt'}): run the trunk and the census first")
+    if not json.loads((raw / "census-plateau" / "go.json").read_text())["go"]:
+        fail(f"{raw / 'census-plateau' / 'go.json'}: a no-go; the arms do not run")
+    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds), jobs))
+    for s in seeds:
+        for arm in ARMS:
+            argv = end_census_argv(arm, s, out, raw)
+            print("census: " + " ".join(argv[1:]), flush=True)
+            with open(out / "arms" / f"{arm}-seed{s}-census.log", "a") as f:
+                code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                                      env=study.thread_env(1), cwd=HERE).returncode
+            if code != 0:
+                sys.exit(f"error: the census of {arm} seed {s} failed (exit {code})")
+
+
+# ----------------------------------------------------------------------------
+# The report: the tests, written before any arm's end was read
+
+
+def end_measures(rows: list, plateau: list) -> dict:
+    """An end census's measures on its prompts: pass@1 (mean Q), pass@16, pass@256, and how many
+    of the plateau census's reach prompts (by point estimate) it lifted to Q >= 1/16."""
+    at = census.summary(rows)["pass_at_k"]
+    reach = [i for i, r in enumerate(plateau[:len(rows)])
+             if REACH[0] <= r["right"] / r["samples"] < REACH[1]]
+    lifted = sum(rows[i]["right"] / rows[i]["samples"] >= REACH[1] for i in reach)
+    return {"pass@1": at[1], "pass@16": at[16], "pass@256": at[256],
+            "reach prompts lifted": lifted}
+
+
+def paired_line(name: str, arm: list, base: list) -> str:
+    """One test: an arm against n16 by seed, the mean difference with its paired interval, the
+    paired t and sign p, and the power at these seeds for the effect fixed beforehand."""
+    diffs = [a - b for a, b in zip(arm, base)]
+    mean, lo, hi = stats.paired_interval(diffs)
+    t = stats.t_test(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    power = stats.paired_power(len(diffs), EFFECT[name], sd)
+    return (f"| {name} | {len(diffs)} | {mean:+.4f} | {lo:+.4f} .. {hi:+.4f} | {t['p']:.3g} | "
+            f"{stats.sign_test(diffs):.3g} | {EFFECT[name]:g} | {power:.2f} |")
+
+
+def report(raw: Path) -> str:
+    """Each arm against n16 paired by seed, from the raw files alone: held-out pass@1 at the end
+    and the end censuses' measures."""
+    found = study.read_raw(raw, groups=("arms",)).get("arms", {})
+    runs = {arm: found.get(arm, {}) for arm in ARMS}
+    plateau = census.load(raw / "census-plateau")
+    lines = ["# SmolLM2 revival: the arms against N = 16, paired by seed", "",
+             "| measure | pairs | mean difference | paired 95% interval | paired t p | sign p | "
+             "effect | power |", "|---|---|---|---|---|---|---|---|"]
+    base_seeds = sorted(runs["n16"])
+    for arm in [a for a in ARMS if a != "n16"]:
+        seeds = [s for s in base_seeds if s in runs[arm]]
+        if not seeds:
+            continue
+        lines += [f"| **{arm}** ({len(seeds)} seeds) | | | | | | | |"]
+        end = lambda a, s: [r for r in runs[a][s] if "eval_pass@1" in r][-1]["eval_pass@1"]
+        lines.append(paired_line("held-out pass@1", [end(arm, s) for s in seeds],
+                                 [end("n16", s) for s in seeds]))
+        folder = lambda a, s: raw / "census-arms" / a / f"seed{s}"
+        both = [s for s in seeds if (folder(arm, s) / "census.jsonl").is_file()
+                and (folder("n16", s) / "census.jsonl").is_file()]
+        if both:
+            m = {a: [end_measures(census.load(folder(a, s)), plateau) for s in both]
+                 for a in (arm, "n16")}
+            for name in ("pass@1", "pass@16", "pass@256", "reach prompts lifted"):
+                lines.append(paired_line(name, [x[name] for x in m[arm]],
+                                         [x[name] for x in m["n16"]]))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/smollm2-revival", help="the runs' directory")
     ap.add_argument("--raw", default=str(RAW), help="the raw results' directory")
-    ap.add_argument("--only", choices=("trunk", "census"), default=None, help="one phase")
+    ap.add_argument("--only", choices=("trunk", "census", "arms"), default=None,
+                    help="one phase")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                    help="the arms' seeds")
+    ap.add_argument("--jobs", type=int, default=2, help="arm runs at once (one thread each)")
+    ap.add_argument("--report", action="store_true", help="the tests from the raw files")
     ap.add_argument("--chunk", type=int, default=EVAL_EVERY, help="trunk steps between tests")
     ap.add_argument("--max_steps", type=int, default=300, help="the trunk's most steps")
     ap.add_argument("--trunk_cap", type=float, default=8 * 3600, help="the trunk's CPU seconds")
     ap.add_argument("--census_first", type=int, default=CENSUS_PROMPTS,
                     help="census the first K prompts now (the same command goes on with more)")
     a = ap.parse_args(argv)
-    for name in ("chunk", "max_steps", "census_first"):
+    for name in ("chunk", "max_steps", "census_first", "jobs"):
         if getattr(a, name) < 1:
             fail(f"--{name} {getattr(a, name)}: need >= 1")
     if a.chunk % EVAL_EVERY:
@@ -190,8 +336,16 @@ def main(argv=None):
     if a.census_first > CENSUS_PROMPTS:
         fail(f"--census_first {a.census_first}: the census holds {CENSUS_PROMPTS} prompts")
     study.finite_positive("--trunk_cap", a.trunk_cap)
+    study.check_seeds(a.seeds)
     out, raw = Path(a.out), Path(a.raw)
-    study.check_folder("--raw", raw)
+    study.check_folder("--raw", raw, files=("report.md",))
+    if a.report:
+        if not (raw / "census-plateau" / "census.jsonl").is_file():
+            fail(f"--report: {raw / 'census-plateau'} holds no census: nothing to report")
+        text = report(raw)
+        study.write_outputs(raw, {"report.md": study.text_writer(text)})
+        print(text)
+        return
     study.check_folder("--out", out)
     check_trunk_raw(raw)
     run = trunk_run(out, raw, a.chunk, a.max_steps)
@@ -202,9 +356,12 @@ def main(argv=None):
             record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap)
             if not record or a.only == "trunk":
                 return
-        if not (raw / "trunk" / "plateau.json").is_file():
-            fail(f"no plateau yet ({raw / 'trunk' / 'plateau.json'}): run the trunk first")
-        plateau_census(out, raw, a.census_first)
+        if a.only in (None, "census"):
+            if not (raw / "trunk" / "plateau.json").is_file():
+                fail(f"no plateau yet ({raw / 'trunk' / 'plateau.json'}): run the trunk first")
+            if not plateau_census(out, raw, a.census_first)["go"] or a.only == "census":
+                return
+        arms(out, raw, a.seeds, a.jobs)
 
 
 if __name__ == "__main__":

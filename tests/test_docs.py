@@ -1039,6 +1039,23 @@ def test_the_flag_rule_places_its_examples_where_they_are():
     assert [f for f in named[0] if f not in own] == [] and [f for f in named[1] if f not in options] == []
 
 
+def test_config_holds_the_recipe_within_the_flag_rules_bound():
+    """Rule 7's bound on brorl.Config's own fields (those not RunOptions'), and each field declared
+    once: by Config, RunOptions, LoRAFlags or one loss's entry of OBJECTIVES (a field declared twice
+    would be one flag, the later class's, silently)."""
+    from lib.objectives import OBJECTIVES
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("7. **A new flag**", 1)[1]
+                    .split("8. **", 1)[0].split())
+    bound = int(re.search(r"at most (\d+) fields of its own", rule)[1])
+    options = {f.name for f in dataclasses.fields(config.RunOptions)}
+    own = [f.name for f in dataclasses.fields(brorl.Config) if f.name not in options]
+    assert len(own) <= bound, f"brorl.Config has {len(own)} fields of its own; rule 7: {bound}"
+    classes = [brorl.Config, config.RunOptions, config.LoRAFlags,
+               *[o.options for o in OBJECTIVES.values() if o.options]]
+    declared = [name for cls in classes for name in config.own_fields(cls)]
+    assert sorted(declared) == sorted(f.name for f in dataclasses.fields(brorl.Config))
+
+
 def test_the_readme_gives_the_objectives_their_budget():
     """The README's Objectives figures are 3 seeds of a CPU-second budget: it says which, as the
     objectives page's command sets it."""

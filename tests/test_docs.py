@@ -1056,6 +1056,54 @@ def test_config_holds_the_recipe_within_the_flag_rules_bound():
     assert sorted(declared) == sorted(f.name for f in dataclasses.fields(brorl.Config))
 
 
+def brorl_functions_handed_to_lib() -> list:
+    """(lib/'s function, its parameter, its annotation) for each argument of a call in brorl.py to
+    a function of lib/ that names one of brorl.py's own functions (a call of one hands its result,
+    not the function, and is not counted)."""
+    import ast
+    import inspect
+    tree = ast.parse((ROOT / "brorl.py").read_text())
+    own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    handed = []
+    for call in [n for n in ast.walk(tree) if isinstance(n, ast.Call)]:
+        f = call.func
+        target = (getattr(getattr(brorl, f.value.id, None), f.attr, None)
+                  if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                  else getattr(brorl, f.id, None) if isinstance(f, ast.Name) else None)
+        module = getattr(target, "__module__", None) or ""
+        if not callable(target) or not module.startswith("lib."):
+            continue
+        params = inspect.signature(target).parameters
+        called = {id(n.func) for n in ast.walk(call) if isinstance(n, ast.Call)}
+        for param, arg in [*zip(params, call.args), *((k.arg, k.value) for k in call.keywords)]:
+            if any(isinstance(n, ast.Name) and n.id in own and id(n) not in called
+                   for n in ast.walk(arg)):
+                handed.append((f"{target.__module__}.{target.__name__}", param,
+                               params[param].annotation))
+    return handed
+
+
+def test_lib_never_imports_brorl_and_takes_its_functions_as_a_step_signature():
+    """Rule 8: no module of lib/ imports brorl.py, and where brorl.py hands lib/ one of its
+    functions, lib/ takes it as a signature lib/step.py declares (the sampling phase, SampleStep:
+    lib/diagnostics.watch_sampling wraps brorl.sample_step_groups as it does --alloc adaptive's)."""
+    import ast
+    imports = [(p.name, n.lineno) for p in sorted((ROOT / "lib").glob("*.py"))
+               for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Import) and any(a.name == "brorl" for a in n.names)
+               or isinstance(n, ast.ImportFrom) and n.module == "brorl"]
+    assert imports == []
+    handed = brorl_functions_handed_to_lib()
+    assert handed, "the check found no function of brorl.py handed to lib/: it reads nothing"
+    untyped = [h for h in handed if getattr(h[2], "__module__", None) != "lib.step"]
+    assert untyped == [], untyped
+    # The rule names each function of lib/ that takes one, and the signature it takes.
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("8. **", 1)[1].split())
+    said = [h for h in handed if f"`{h[0].replace('lib.', 'lib/', 1)}`" not in rule
+            or f"`{h[2].__name__}`" not in rule]
+    assert said == [], (said, rule)
+
+
 def test_the_readme_gives_the_objectives_their_budget():
     """The README's Objectives figures are 3 seeds of a CPU-second budget: it says which, as the
     objectives page's command sets it."""

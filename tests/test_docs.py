@@ -1104,6 +1104,38 @@ def test_lib_never_imports_brorl_and_takes_its_functions_as_a_step_signature():
     assert said == [], (said, rule)
 
 
+def test_every_test_file_keeps_a_fast_test():
+    """pytest.ini and rule 5: every topic (a test file) keeps a test that is not marked slow, so
+    that `python -m pytest -q` runs something of each; a module's pytestmark, a class's mark and a
+    test's own count."""
+    files = [ROOT / "test_brorl.py", *sorted((ROOT / "tests").glob("test_*.py"))]
+    assert [f.name for f in files if not fast_tests(f.read_text())] == []
+    # The reading sees each way of marking a test slow, and a fast test among slow ones.
+    marked = ("import pytest\n@pytest.mark.slow\ndef test_a():\n    pass\n"
+              "@pytest.mark.slow\nclass TestB:\n    def test_b(self):\n        pass\n")
+    fast = "def test_c():\n    pass\n"
+    assert fast_tests(marked) == [] and fast_tests(marked + fast) == ["test_c"]
+    assert fast_tests("import pytest\npytestmark = [pytest.mark.slow]\n" + fast) == []
+
+
+def fast_tests(source: str) -> list:
+    """The names of a test file's tests that are not marked slow (pytest.mark.slow on the test, on
+    its class, or in the module's pytestmark)."""
+    import ast
+    tree = ast.parse(source)
+    slow = lambda nodes: any(isinstance(n, ast.Attribute) and n.attr == "slow"
+                             for d in nodes for n in ast.walk(d))
+    module = [n.value for n in tree.body if isinstance(n, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]
+    if slow(module):
+        return []
+    tests = [(n, []) for n in tree.body if isinstance(n, ast.FunctionDef)]
+    tests += [(m, n.decorator_list) for n in tree.body if isinstance(n, ast.ClassDef)
+              and n.name.startswith("Test") for m in n.body if isinstance(m, ast.FunctionDef)]
+    return [n.name for n, outer in tests if n.name.startswith("test")
+            and not slow([*n.decorator_list, *outer])]
+
+
 def test_the_readme_gives_the_objectives_their_budget():
     """The README's Objectives figures are 3 seeds of a CPU-second budget: it says which, as the
     objectives page's command sets it."""

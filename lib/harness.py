@@ -282,7 +282,7 @@ def start(cfg) -> Run:
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, "
         f"eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
     # keys and sets: the held-out set is the training set, by design.
-    if cfg.task in data.TRAIN_IS_EVAL:
+    if data.task_of(cfg.task).train_is_eval:
         say(f"task {cfg.task}: evaluated on {len(eval_set)} of its own training prompts, by design "
             "(Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica

@@ -113,8 +113,11 @@ def pick_verifier(cfg) -> str:
     """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is
     installed."""
     try:
-        # keys is checked by the integer rule, as arith is.
-        return verify.choose_verifier("arith" if cfg.task == "keys" else cfg.task, cfg.verifier)
+        rule = data.task_of(cfg.task).rule  # the task's rule (data.TASKS): keys is arith's
+    except ValueError as e:
+        fail(f"--task {cfg.task}: {e}")
+    try:
+        return verify.choose_verifier(rule, cfg.verifier)
     except ImportError as e:
         fail(f"--verifier {cfg.verifier}: {e}")
 
@@ -128,14 +131,13 @@ def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
     if not rows:
         fail(f"{flag} {task}: its {split} split is empty"
              + (" (name a held-out source: --eval_task)" * (split == "test")))
-    # A dataset's repeated rows would weigh twice (arith's problems are distinct by construction).
-    if task != "arith":
-        unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
-        if len(unique) < len(rows) and distributed.is_main():
-            tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of "
-                       f"{len(rows)} ({split} split)")
-        rows = unique
-    return rows
+    # A dataset's repeated rows would weigh twice (a generated task's are distinct by construction:
+    # none dropped).
+    unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
+    if len(unique) < len(rows) and distributed.is_main():
+        tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of "
+                   f"{len(rows)} ({split} split)")
+    return unique
 
 
 def check_train_size(cfg, train_set: list):

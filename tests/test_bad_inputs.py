@@ -465,11 +465,10 @@ def gsm8k_set(path: Path, train: int, test: int = 0, long: int = 0) -> str:
     """--task of a gsm8k file holding `train` rows of the training split and `test` of the held-out
     one (data.split_of decides each by its text), and `long` more training rows of ~5,200
     characters."""
-    from lib import tasks
     rows, want = {"train": [], "test": []}, {"train": train, "test": test}
     for a in range(100, 10_000):
         q = f"{a}+7=" if a < 9_000 else f"{a}+" + "7" * 5_200 + "="  # (the long ones last)
-        split = data.split_of(f"{q} {tasks.MATH_SUFFIX}")
+        split = data.split_of(f"{q} {data.MATH_SUFFIX}")
         if len(rows[split]) < want[split] + (long if split == "train" and a >= 9_000 else 0):
             if a < 9_000 or split == "train":
                 rows[split].append(dict(question=q, answer=f"#### {a + 7}"))

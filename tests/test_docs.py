@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "docs/results"  # the results book: one page a question, an index, an archive
 DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
-MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
+MODULES = ("brorl", "sampler", "kernels", "verify", "data", "harness", "rundir", "steplog",
            "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
            "diagnostics", "allocation", "distributed", "planner", "balance", "step", "checks",
            "presets", "errors")
@@ -922,8 +922,11 @@ def test_the_harder_models_share_is_its_warm_starts():
 
 def test_lists_of_the_embedded_tasks_name_them_all():
     """A list of the embedded tasks in prose ("arith, keys and sets") names every one data.py
-    builds, or exactly those whose training set is their eval set (data.TRAIN_IS_EVAL)."""
-    tasks, same = {"arith", *data.TRAIN_IS_EVAL}, set(data.TRAIN_IS_EVAL)
+    builds (a task of data.TASKS without a source), or exactly those whose training set is their
+    eval set."""
+    tasks = {name for name, t in data.TASKS.items() if not t.source}
+    same = {name for name, t in data.TASKS.items() if t.train_is_eval}
+    assert tasks == {"arith", "keys", "sets"} and same == {"keys", "sets"}
     names = "|".join(sorted(tasks))
     listed = re.compile(rf"\b(?:{names})\b(?:(?:,| or| and|, or|, and) (?:the )?(?:{names})\b)+")
     code = [*ROOT.glob("lib/*.py"), *ROOT.glob("tools/*.py")]
@@ -932,6 +935,28 @@ def test_lists_of_the_embedded_tasks_name_them_all():
              for m in listed.finditer(" ".join((ROOT / f).read_text().split()))
              if set(re.findall(names, m[0])) not in (tasks, same)]
     assert found == []
+
+
+def imported_roots(path: Path) -> set:
+    """The top-level names of the modules a Python file imports (lib of `from lib import x`)."""
+    import ast
+    tree = ast.parse(path.read_text())
+    return ({a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            | {n.module.split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) and n.module and not n.level})
+
+
+def test_the_design_files_import_nothing_of_lib():
+    """The top level is the design's, lib/ the machinery beneath brorl.py (STYLE.md, the house):
+    sampler.py, kernels.py, verify.py and data.py import nothing of lib/ (nor tools/), and
+    kernels.py, verify.py and data.py nothing of ours at all. Arrows point down only."""
+    ours = {p.stem for p in ROOT.glob("*.py")} | {"lib", "tools"}
+    imports = {name: imported_roots(ROOT / f"{name}.py")
+               for name in ("sampler", "kernels", "verify", "data")}
+    assert {name: got & {"lib", "tools"} for name, got in imports.items()} == dict.fromkeys(imports, set())
+    assert {name: got & ours for name, got in imports.items() if name != "sampler"} == dict.fromkeys(
+        ("kernels", "verify", "data"), set())
+    assert "lib" in imported_roots(ROOT / "brorl.py") and "kernels" in imports["sampler"]  # it sees them
 
 
 def prose_problems(root: Path) -> list:

@@ -5,6 +5,7 @@ checked against the model's context), the fixed eval set, the policy and its tok
 random stream of every evaluation. Also --plan: the memory plan of such a setup, loading no weights.
 """
 
+import ctypes
 import dataclasses
 import random
 import re
@@ -28,6 +29,22 @@ from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
 
+def keep_freed_memory() -> bool:
+    """On a CPU under glibc, a freed block is kept for the next tensor instead of handed back to
+    the system: glibc returns a block over 32 MiB (and a heap top past its trim threshold) at each
+    free, and every page of the next tensor of that size then faults in again, zeroed by the
+    kernel. A step's (rows, vocabulary) temporaries made its log-prob passes cost 2-3x their
+    arithmetic on the 2-core CPU; SmolLM2's step in bf16 spends 15% less CPU time, at a lower
+    peak RSS (docs/results/smollm2.md). False where there is no glibc (nothing to tune)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    most = ctypes.c_int(2**31 - 1)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, most) and libc.mallopt(M_TRIM_THRESHOLD, most))
+
+
 def setup(cfg, policy: str, flag: str, with_train_set=True):
     """What a run and --eval_only share: seeds, device, the data (first: a bad --task fails before
     anything is written), the fixed eval set, the policy and its tokenizer."""
@@ -35,6 +52,8 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
+    if device.type == "cpu":
+        keep_freed_memory()
     # The run records the verifier it used.
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None

@@ -1343,5 +1343,30 @@ def test_the_smollm2_bf16_figures_are_the_raw_files():
     assert f"rerun of seed 0 ended at {beside[-1]['eval_pass@1']:.3f}" in flat
     wall = lambda r: sum(x.get("time_rollout", 0) + x.get("time_update", 0) for x in r)
     ratio = float(cpu(b0)) / float(cpu(beside))
-    assert f"{cpu(b0)} against {cpu(beside)} CPU s" in flat
-    assert f"**{ratio:.2f}x** (wall {wall(b0) / wall(beside):.2f}x)" in page
+    archive = " ".join((ROOT / RESULTS / "archive.md").read_text().split())
+    assert f"{cpu(b0)} against {cpu(beside)} CPU s a step, **{ratio:.2f}x** (wall " \
+           f"{wall(b0) / wall(beside):.2f}x)" in archive
+    # the pair at 5e6132c: CPU a step, the phases' wall ratios, and the floors' bound
+    pb, pf = rows("pair-bf16-seed0.jsonl"), rows("pair-fp32-seed0.jsonl")
+    phase = lambda r, k: sum(x.get(k, 0) for x in r)
+    assert (f"{cpu(pb)} against {cpu(pf)} CPU s a step, **{float(cpu(pb)) / float(cpu(pf)):.2f}x** "
+            f"(rollout {phase(pb, 'time_rollout') / phase(pf, 'time_rollout'):.2f}x, update "
+            f"{phase(pb, 'time_update') / phase(pf, 'time_update'):.2f}x)") in flat
+    floors = {}
+    for line in (raw / "pair-floors.txt").read_text().splitlines()[1:]:
+        dtype, rate = line.split()
+        floors[dtype] = max(floors.get(dtype, 0), float(rate))
+    f32, b16 = floors["torch.float32"], floors["torch.bfloat16"]
+    assert (f"{f32:.1f} GFLOP/s in fp32 and {b16:.1f} in bf16 (`pair-floors.txt`), {b16 / f32:.1f}x, "
+            f"so a step of matmuls alone at the floor would cost {f32 / b16:.2f}x") in flat
+    assert [x["eval_pass@1"] for x in pb if "eval_pass@1" in x] == [
+        x["eval_pass@1"] for x in b0 if "eval_pass@1" in x]  # its seed's run to the bit
+    # freed memory kept: the runs' training CPU, and /usr/bin/time's system time and peak RSS
+    keep = {n: (rows(f"keep-freed-memory/{n}.jsonl")[-1]["time_train_cpu"], dict(
+        line.strip().rsplit(": ", 1) for line in
+        (raw / "keep-freed-memory" / f"{n}-time.txt").read_text().splitlines())) for n in ("on", "off")}
+    (on, t_on), (off, t_off) = keep["on"], keep["off"]
+    gb = lambda t: int(t["Maximum resident set size (kbytes)"]) / 1e6
+    assert (f"{on:.1f} against {off:.1f} CPU s, system {float(t_on['System time (seconds)']):.1f} "
+            f"against {float(t_off['System time (seconds)']):.1f} s, peak RSS {gb(t_on):.2f} against "
+            f"{gb(t_off):.2f} GB") in flat

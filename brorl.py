@@ -62,8 +62,10 @@ from lib.step import Group, SampleStep, StepStats, sample_groups, sample_share
 from sampler import draw_seeds, round_seeds
 
 # ----------------------------------------------------------------------------
-# Config: the recipe and its alternatives (it extends lib/config.RunOptions, the run around it);
-# each field a --flag, its comment its help. CONTRIBUTING.md, rule 7, says which fields go here.
+# Config: the recipe and its alternatives (it extends lib/config.RunOptions, the run around it,
+# which carries the flags an alternative run by lib/ declares beside its code: each loss's own in
+# its lib/objectives.OBJECTIVES entry, LoRA's --lora_rank, --lora_alpha and --lora_targets); each
+# field a --flag, its comment its help. CONTRIBUTING.md, rule 7, says which fields go here.
 
 
 @dataclass
@@ -110,23 +112,12 @@ class Config(config.RunOptions):
     n_minibatches: int = 2  # mini-batches a step, one AdamW update each (fixed as N grows)
     grad_clip: float = 1.0  # gradient clipping: max global grad norm
     old_logp: str = "auto"  # the old policy's log-probs: sampler, recompute; auto: sampler in fp32
-    # LoRA (peft): the optimizer and the checkpoint hold the adapter alone, and the KL's reference
-    # shares the base model.
-    lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
-                        # 0: full fine-tuning
-    lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
-        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP; Phi-3's
-        # fused ones: qkv_proj,o_proj,gate_up_proj,down_proj)
-    # The objective (policy_token_loss). Dr. GRPO is PPO with --adv_norm none --loss_agg constant.
+    # The objective (policy_token_loss). Dr. GRPO is PPO with --adv_norm none --loss_agg constant;
+    # GSPO's and SAPO's own flags are their entries' (lib/objectives.py).
     loss: str = "ppo"  # policy loss per token (policy_token_loss; lib/objectives.OBJECTIVES)
     clip_low: float = 0.2  # PPO's eps_low: the ratio's clip floor is 1 - eps_low
     clip_high: float = 0.28  # PPO's eps_high: clip ceiling 1 + eps_high (clip-higher), CISPO's too
     clip_ratio_c: float = 3.0  # dual-clip's c (PPO's): a negative-advantage token's loss <= -c*A
-    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
-    gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
-    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (arXiv 2511.20347; TRL: 1.0)
-    sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
     tis_cap: float = 2.0  # truncated importance sampling's cap C on the sampler ratio; 0: off
     loss_agg: str = "auto"  # loss aggregation: token (mini-batch's token mean), sequence (rows'
         # means' mean) or constant (Dr. GRPO); auto: the --loss's own (lib/objectives.OBJECTIVES)

@@ -1,10 +1,12 @@
 """
 config.py: the command line. brorl.py's Config is the recipe and its alternatives; it extends
 RunOptions below (the run around it: its inputs, machinery and files, and the research
-instruments), and every field of both is a --flag, its source comment the --help (CONTRIBUTING.md,
-rule 7, says which class a new flag joins); a preset (lib/presets.py) is applied before the flags
-given; --resume starts from the run's own config.json (lib/rundir.resumed_config); the first thing
-wrong with a config (lib/checks.py) stops it with one line (lib/errors.fail).
+instruments), whose bases are the flags that an alternative run by lib/ declares beside its code
+(each loss's own, lib/objectives.LossFlags; LoRA's, LoRAFlags below). Every field of them all is
+a --flag, its source comment the --help (CONTRIBUTING.md, rule 7, says which class a new flag
+joins); a preset (lib/presets.py) is applied before the flags given; --resume starts from the
+run's own config.json (lib/rundir.resumed_config); the first thing wrong with a config
+(lib/checks.py) stops it with one line (lib/errors.fail).
 """
 
 import argparse
@@ -18,23 +20,39 @@ from pathlib import Path
 
 from lib.checks import check_config, one_of, unused_flag
 from lib.errors import fail
-from lib.objectives import OBJECTIVES, aggregation
+from lib.objectives import OBJECTIVES, LossFlags, aggregation
 from lib.presets import PRESETS
 from lib.rundir import held_line, held_run, resumed_config
 
 
 # ----------------------------------------------------------------------------
-# The flags of the run around the recipe. Each field's comment is its --help, whole on its own:
-# what the flag is, then its values.
+# The flags of the run around the recipe, and those of the alternatives that lib/ reads. Each
+# field's comment is its --help, whole on its own: what the flag is, then its values.
 
 
 @dataclass
-class RunOptions:
+class LoRAFlags:
+    """LoRA's flags (lib/policy.add_lora, through peft)"""
+    # The optimizer and the checkpoint hold the adapter alone, and the KL's reference shares the
+    # base model. The planner, the checks and the harness read these too, so they are declared
+    # here, which imports no model code, rather than in lib/policy.py.
+    lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
+                        # 0: full fine-tuning
+    lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # LoRA's
+        # adapted modules, comma-separated (these: Qwen/Llama attention and MLP; Phi-3's
+        # fused ones: qkv_proj,o_proj,gate_up_proj,down_proj)
+
+
+@dataclass
+class RunOptions(LoRAFlags, LossFlags):
     """The run around the recipe, which brorl.py's Config (the recipe and its alternatives)
     extends: one typed source, every field a --flag, saved whole in config.json. The run's inputs
     beyond the model and --task, where it runs, its memory and time, its files, and the research
     instruments: what a run measures beside the step, never changing what it trains
-    (CONTRIBUTING.md, rule 7)."""
+    (CONTRIBUTING.md, rule 7). Its bases are the alternatives' own flags, declared beside the code
+    that reads them (LoRA's above; each loss's in its lib/objectives.OBJECTIVES entry), so that
+    brorl.Config shows the recipe's fields alone; they are Config's fields as the others are."""
     # The data beyond --task.
     eval_task: str = ""  # held-out set from a separate source, --task's syntax, all its rows
                          # (default: --task's held-out split)
@@ -114,11 +132,11 @@ class RunOptions:
 
 def field_help(config_cls) -> dict:
     """--help text for each field: the comment that follows it in the source of the class that
-    declares it (Config, or RunOptions), continued on the comment lines indented under it (as
-    data.py's WarmStart reads its own)."""
+    declares it (Config, RunOptions, or an alternative's flags), continued on the comment lines
+    indented under it (as data.py's WarmStart reads its own)."""
     helps = {}
     for cls in reversed(config_cls.__mro__):
-        if dataclasses.is_dataclass(cls):
+        if dataclasses.is_dataclass(cls) and own_fields(cls):  # (LossFlags declares none)
             src = inspect.getsource(cls)
             helps.update({name: " ".join([first, *re.findall(r"#\s*(.+)", more)])
                           for name, first, more in re.findall(
@@ -138,10 +156,22 @@ def table_help(config_cls, presets) -> dict:
     return {name: text + said.get(name, "") for name, text in helps.items()}
 
 
-def flag_fields(config_cls) -> list:
-    """The fields of config_cls in --help's order: its own (the recipe) first, then its bases'."""
-    own = vars(config_cls).get("__annotations__", {})
-    return sorted(dataclasses.fields(config_cls), key=lambda f: f.name not in own)
+def own_fields(cls) -> list:
+    """The names of the fields that cls itself declares (not its bases)."""
+    return list(vars(cls).get("__annotations__", {}))
+
+
+def flag_groups(config_cls) -> list:
+    """--help's groups of fields, in its order, each (title, fields): config_cls's own (the
+    recipe), each alternative's own flags (a base of RunOptions, titled by its docstring), then
+    RunOptions' own (the run)."""
+    declarer = {name: cls for cls in reversed(config_cls.__mro__) for name in own_fields(cls)}
+    order = [config_cls] + [c for c in dict.fromkeys(declarer.values())
+                            if c not in (config_cls, RunOptions)] + [RunOptions]
+    titles = {config_cls: "the recipe, its alternatives (brorl.py's Config)",
+              RunOptions: "the run: its inputs, machinery, files and instruments (RunOptions)"}
+    return [(titles.get(c) or c.__doc__.strip().splitlines()[0],
+             [f for f in dataclasses.fields(config_cls) if declarer[f.name] is c]) for c in order]
 
 
 def parse_bool(s: str) -> bool:
@@ -188,22 +218,21 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = table_help(config_cls, presets)
-    # --help lists the recipe (the Config's own fields) first, then the run's options.
-    own = vars(config_cls).get("__annotations__", {})
-    groups = {True: parser.add_argument_group("the recipe, its alternatives (brorl.py's Config)"),
-              False: parser.add_argument_group("the run: its inputs, machinery, files and "
-                                               "instruments (RunOptions)")}
-    for f in flag_fields(config_cls):
-        # default=None marks "not given", so that a preset never overrides an explicit flag; the
-        # help shows the real default (Config's), which a preset may change
-        text = helps.get(f.name, "")
-        text += ("" if "(default:" in text
-                 else f" (default: {'none' if f.default == '' else f.default})")
-        # A bool flag given alone (--flag) means true.
-        kind = dict(type=parse_bool, nargs="?", const=True) if f.type is bool else dict(type=f.type)
-        groups[f.name in own].add_argument(f"--{f.name}", **kind, default=None,
-                                           help=text.replace("%", "%%"),
-                                           metavar=f.type.__name__.upper())
+    # --help lists the recipe (the Config's own fields) first, then the alternatives' own flags,
+    # then the run's options.
+    for title, fields in flag_groups(config_cls):
+        group = parser.add_argument_group(title)
+        for f in fields:
+            # default=None marks "not given", so that a preset never overrides an explicit flag;
+            # the help shows the real default (Config's), which a preset may change
+            text = helps.get(f.name, "")
+            text += ("" if "(default:" in text
+                     else f" (default: {'none' if f.default == '' else f.default})")
+            # A bool flag given alone (--flag) means true.
+            kind = (dict(type=parse_bool, nargs="?", const=True) if f.type is bool
+                    else dict(type=f.type))
+            group.add_argument(f"--{f.name}", **kind, default=None, help=text.replace("%", "%%"),
+                               metavar=f.type.__name__.upper())
     args = vars(parser.parse_args(numbers_as_values(sys.argv[1:] if argv is None else argv)))
     overrides = {k: v for k, v in args.items() if v is not None}
     preset = overrides.get("preset", "")

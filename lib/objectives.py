@@ -2,14 +2,17 @@
 objectives.py: the alternatives to the paper's objective that brorl.py offers as flags, each a
 drop-in for one piece of it. OBJECTIVES is the table of --loss: each name's token loss (PPO-clip's,
 the paper's, stays in brorl.policy_token_loss; the others replace it), what --loss_agg auto runs
-with it (GSPO's and SAPO's papers' per-sequence mean: aggregation) and the flags it alone reads;
-the help, the checks, the update and the docs' lists read it, so a new loss is one entry.
+with it (GSPO's and SAPO's papers' per-sequence mean: aggregation) and the flags it alone reads,
+declared here as a small dataclass of its own (LossFlags gathers them; lib/config.RunOptions
+extends it, so brorl.Config holds the recipe's fields alone); the help, the checks, the update and
+the docs' lists read it, so a new loss is one entry.
 --focal_gamma scales each group's advantages by F-GRPO's focal weight; --train_rollouts m trains
 each group on the m of its N rollouts whose rewards vary most (PODS), keeping the breadth of
 sampling without the update's cost. The paper's own pieces (PPO-clip with dual-clip, TIS, the k2
 KL, the normalisers) are in brorl.py.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,7 +97,15 @@ def sapo_token_loss(logp, old_logp, adv, tau_pos, tau_neg):
 # ----------------------------------------------------------------------------
 # The table of --loss. Each alternative's entry reads its own flags from the Config and returns
 # the loss per token (r, T), the ratio (r, T) and where its clip binds (r, T), as
-# brorl.policy_token_loss does for PPO.
+# brorl.policy_token_loss does for PPO. The flags it alone reads are a dataclass of its own, each
+# field a --flag whose comment is its --help, as brorl.Config's are.
+
+
+@dataclass
+class GSPOFlags:
+    """--loss gspo's own flags (lib/objectives.OBJECTIVES)"""
+    gspo_clip_low: float = 3e-4  # GSPO's eps_low on the sequence ratio (arXiv 2507.18071: 3e-4)
+    gspo_clip_high: float = 4e-4  # GSPO's eps_high on the sequence ratio (the paper: 4e-4)
 
 
 def gspo_loss(logp, old_logp, adv, mask, cfg):
@@ -112,6 +123,13 @@ def cispo_loss(logp, old_logp, adv, mask, cfg):
     return loss, ratio, ratio > 1 + cfg.clip_high
 
 
+@dataclass
+class SAPOFlags:
+    """--loss sapo's own flags (lib/objectives.OBJECTIVES)"""
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature where A > 0 (arXiv 2511.20347; TRL: 1.0)
+    sapo_tau_neg: float = 1.05  # SAPO's gate temperature where A <= 0 (TRL: 1.05)
+
+
 def sapo_loss(logp, old_logp, adv, mask, cfg):
     """--loss sapo: no clip binds, its gate only fades."""
     loss, ratio = sapo_token_loss(logp, old_logp, adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
@@ -124,13 +142,25 @@ class Objective:
     token_loss: Callable | None  # (logp, old_logp, adv, mask, cfg) -> loss, ratio, clipped,
     # each (r, T); None: PPO-clip, written out in brorl.policy_token_loss
     aggregation: str  # what --loss_agg auto runs with it: token or sequence
-    flags: tuple = ()  # the Config fields that count only with it (checks.COUNTS_ONLY_WITH)
+    flags: tuple = ()  # the Config fields that count only with it (checks.COUNTS_ONLY_WITH):
+    # brorl.Config's it reads (PPO-clip's bounds), then its own flags' (options), added below
+    options: type | None = None  # the dataclass of the flags it alone reads, declared beside it
+
+    def __post_init__(self):
+        own = tuple(f.name for f in dataclasses.fields(self.options)) if self.options else ()
+        object.__setattr__(self, "flags", self.flags + own)  # (frozen: set once, here)
 
 
 # --loss's names, in --help's order; the first is Config's default, the paper's.
 OBJECTIVES = {
     "ppo": Objective(None, "token", ("clip_low", "clip_high", "clip_ratio_c")),
-    "gspo": Objective(gspo_loss, "sequence", ("gspo_clip_low", "gspo_clip_high")),
+    "gspo": Objective(gspo_loss, "sequence", options=GSPOFlags),
     "cispo": Objective(cispo_loss, "token", ("clip_high",)),
-    "sapo": Objective(sapo_loss, "sequence", ("sapo_tau_pos", "sapo_tau_neg")),
+    "sapo": Objective(sapo_loss, "sequence", options=SAPOFlags),
 }
+
+# Every entry's own flags in one dataclass, which lib/config.RunOptions extends: each is a --flag
+# and a field of brorl.Config like any other (config.json, presets, --resume), declared here. Its
+# bases in reverse, so that its fields come in the table's order.
+LossFlags = dataclasses.make_dataclass(
+    "LossFlags", [], bases=tuple(o.options for o in reversed(OBJECTIVES.values()) if o.options))

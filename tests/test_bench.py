@@ -91,7 +91,12 @@ def test_the_floor_is_measured_in_the_dtype_the_parts_run_in(monkeypatch):
     (["--part", "step", "--tiny", "--trl_ns", "4"], "--trl_ns 4: only with --trl"),
     (["--part", "step", "--step_ns", "64"], "--step_ns: only with --model"),
     (["--part", "step", "--tiny", "--trl", "x", "--trl_ns", "64"], "--trl_ns 64: each must be"),
-    (["--part", "step", "--trl", "x", "--trl_ns", "a"], "--trl_ns a: need positive integers")])
+    (["--part", "step", "--trl", "x", "--trl_ns", "a"], "--trl_ns a: need positive integers"),
+    # a real model's N values are checked before it loads (no such model is ever looked for)
+    (["--model", "no/such-model", "--ns", "4", "--step_ns", "8"],
+     "--step_ns 8: each must be one of --ns (4)"),
+    (["--model", "no/such-model", "--trl", "x", "--trl_ns", "128"],
+     "--trl_ns 128: each must be an N of the step (64,512)")])
 def test_dtype_and_trl_ns_are_refused_with_one_line(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(argv)

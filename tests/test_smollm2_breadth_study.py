@@ -284,3 +284,20 @@ def test_a_census_that_cannot_go_on_is_one_line_before_out_or_the_lock_is_made(t
         err = capsys.readouterr().err
         assert e.value.code == 2 and said in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+
+
+def test_an_unreadable_end_census_is_one_line(tmp_path, capsys):
+    """censuses_to_do reads each end census through census.py's reader: bytes that are not text,
+    or a record that is not the census's, stop with one line naming the file, not a traceback."""
+    folder = tmp_path / "census-arm-n16-s0"
+    folder.mkdir()
+    (folder / "census.json").write_text(json.dumps(dict(samples=512)))
+    (folder / "census.jsonl").write_bytes(b"\xff\xfe not text\n")
+    with pytest.raises(SystemExit):
+        study.censuses_to_do(["n16"], [0], 12, tmp_path)
+    err = capsys.readouterr().err
+    assert "census.jsonl" in err and len(err.strip().splitlines()) == 1, err
+    (folder / "census.jsonl").write_text(json.dumps(dict(index=0)) + "\n")
+    with pytest.raises(SystemExit):
+        study.censuses_to_do(["n16"], [0], 12, tmp_path)
+    assert "census.jsonl" in capsys.readouterr().err

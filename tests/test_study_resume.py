@@ -14,7 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+import fcntl
+
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tools import study
@@ -55,6 +58,45 @@ def result(out: Path, raw: Path) -> dict:
                 weights={k: v.tolist() for k, v in load_file(branch / "model.safetensors").items()},
                 branch_step=study.ChunkedRun.checkpoint_step(out / "trunk-2-branch"),
                 run=rows(out / "trunk-2" / "metrics.jsonl"))
+
+
+def test_a_rerun_brings_the_run_back_to_its_last_recorded_chunk(tmp_path, capsys):
+    """What a rerun decides from the files a killed study left, without a run: a chunk that ended
+    unrecorded (the run at step 20, chunks.jsonl at 10) is rolled back to the copy of step 10; a
+    record that neither the run nor a copy meets is one line; a run directory whose lock a live
+    process holds is refused in one line naming its pid, and free once that process lets go."""
+    def checkpoint(path: Path, step: int):
+        (path / "ckpt").mkdir(parents=True)
+        torch.save({"step": step}, path / "ckpt" / "trainer_state.pt")
+
+    def chunked(run_dir: Path, records: list) -> study.ChunkedRun:
+        (tmp_path / "chunks.jsonl").write_text("".join(
+            json.dumps(dict(steps_to=s, cpu_s=1.0)) + "\n" for s in records))
+        return study.ChunkedRun("trunk-2", run_dir, [], 10, 40, tmp_path / "chunks.jsonl",
+                                lambda step: tmp_path / f"copy-{step}", tmp_path / "log")
+
+    run_dir = tmp_path / "run"
+    checkpoint(run_dir, 20)
+    (run_dir / "metrics.jsonl").write_text("")
+    checkpoint(tmp_path / "copy-10", 10)
+    assert chunked(run_dir, [10]).done() == 10
+    assert study.ChunkedRun.checkpoint_step(run_dir) == 10
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt", "metrics.jsonl"]
+    assert "rolled back to step 10" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:  # recorded to 30: no copy of step 30 to go back to
+        chunked(run_dir, [10, 30]).done()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "is at step 10" in err, err
+    # A live run holds its lock (brorl.py flocks <run>/.lock, its pid inside, for its life).
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT)
+    os.write(fd, b"4242\n")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with pytest.raises(SystemExit) as stop:
+        chunked(run_dir, [10]).done()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "a brorl.py run (pid 4242) still holds it" in err, err
+    os.close(fd)  # the process ends: the file stays, the lock is gone
+    assert study.lock_holder(run_dir) == "" and chunked(run_dir, [10]).done() == 10
 
 
 @pytest.fixture(scope="module")

@@ -838,6 +838,13 @@ def main(argv=None):
                 ap.error(f"{flag} {text}: need positive integers, comma-separated (e.g. 64,512)")
     if trl_ns and not args.trl:
         ap.error(f"--trl_ns {args.trl_ns}: only with --trl")
+    if args.model:  # the N values checked before the model loads
+        ns = ns or (SIZES["tiny"]["step_ns"] if args.tiny else [64, 512])
+        if not set(step_ns) <= set(ns):
+            ap.error(f"--step_ns {args.step_ns}: each must be one of --ns ({','.join(map(str, ns))})")
+        if trl_ns and not set(trl_ns) <= set(step_ns or ns):
+            ap.error(f"--trl_ns {args.trl_ns}: each must be an N of the step "
+                     f"({','.join(map(str, step_ns or ns))})")
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -870,10 +877,6 @@ def main(argv=None):
             dims = config.hidden_size, config.intermediate_size
             prompt = sampler.encode_prompt(tok, json.loads(prompts.read_text())[0]["prompt"])
             new = args.new or (size["step_new"] if args.tiny else 32)
-            ns = ns or (size["step_ns"] if args.tiny else [64, 512])
-            if not set(step_ns) <= set(ns):
-                ap.error(f"--step_ns {args.step_ns}: each must be one of --ns "
-                         f"({','.join(map(str, ns))})")
             size = dict(size, sampler=[(n, len(prompt), new) for n in ns],
                         step_ns=step_ns or ns, step_new=new)
             print(f"model {args.model} ({path}): {params / 1e6:.1f}M params, V={config.vocab_size}, "
@@ -884,7 +887,7 @@ def main(argv=None):
             params = save_bench_model(path, arch, torch.float32 if amp else dtype)
             tok = AutoTokenizer.from_pretrained(path)
             dims = ARCHS[arch]["hidden_size"], ARCHS[arch]["intermediate_size"]
-        if trl_ns and not set(trl_ns) <= set(size["step_ns"]):
+        if trl_ns and not set(trl_ns) <= set(size["step_ns"]):  # (the bench model's sizes)
             ap.error(f"--trl_ns {args.trl_ns}: each must be an N of the step "
                      f"({','.join(map(str, size['step_ns']))})")
         # the floor before any part, in this process at its thread count (the step's children's)

@@ -134,9 +134,12 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
 def censuses_to_do(arms: list, seeds: list, first: int, raw: Path) -> list:
     """The (arm, seed) pairs whose end census has fewer than `first` prompts recorded, seed by
     seed."""
-    recorded = lambda f: len(f.read_text().splitlines()) if f.is_file() else 0
+    def recorded(folder: Path) -> int:  # (census.py's reader: a bad file is its one line)
+        head = folder / "census.json"
+        return len(census.read_records(folder / "census.jsonl", census.read_header(head))) \
+            if head.is_file() else 0
     return [(arm, s) for s in seeds for arm in arms
-            if recorded(raw / f"census-arm-{arm}-s{s}" / "census.jsonl") < first]
+            if recorded(raw / f"census-arm-{arm}-s{s}") < first]
 
 
 def check_end_censuses(pairs: list, out: Path, raw: Path):

@@ -1,9 +1,10 @@
 """
 stats.py: the studies' statistics, each from scipy.stats (none re-derived here): Welch's t for a
-difference of means and its interval, the exact Mann-Whitney test, the paired t test, the exact
-sign test, Student's t quantiles and two-sided p-values, and an ordinary least squares slope with
-its interval. Runs of two arms share no random draws, so arms are compared unpaired (Welch,
-Mann-Whitney); configs of a sweep run on the same seeds are compared paired (t, sign).
+difference of means and its interval, the exact Mann-Whitney test, the paired t test, its interval
+and its power, the exact sign test, Student's t quantiles and two-sided p-values, and an ordinary
+least squares slope with its interval. Runs of two arms share no random draws, so arms are
+compared unpaired (Welch, Mann-Whitney); configs of a sweep run on the same seeds are compared
+paired (t, sign).
 """
 
 import math
@@ -59,6 +60,26 @@ def t_test(diffs: list) -> dict:
         return dict(n=n, mean=mean, t=float("nan"), p=float("nan"))
     r = stats.ttest_1samp(diffs, 0.0)
     return dict(n=n, mean=mean, t=float(r.statistic), p=float(r.pvalue))
+
+
+def paired_interval(diffs: list, level: float = 0.95) -> tuple:
+    """The mean of paired differences and its interval at `level` (Student's t, n - 1 df): (mean,
+    low, high); the point when the differences do not vary."""
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2 or statistics.stdev(diffs) == 0:
+        return mean, mean, mean
+    ci = stats.ttest_1samp(diffs, 0.0).confidence_interval(level)
+    return mean, float(ci.low), float(ci.high)
+
+
+def paired_power(n: int, effect: float, sd: float, alpha: float = 0.05) -> float:
+    """The power of the two-sided paired t test at n pairs to find a mean difference `effect`
+    whose differences spread with standard deviation sd (the noncentral t, n - 1 df)."""
+    if n < 2 or sd <= 0:
+        return float("nan")
+    df, nc = n - 1, effect / (sd / math.sqrt(n))
+    crit = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
 
 
 def sign_test(diffs: list) -> float:

@@ -1,0 +1,127 @@
+"""The SmolLM2 revival study's rules (tools/smollm2_revival_study.py): the plateau, fixed before its
+trunk ran, and the census's go/no-go, fixed before the census ran; the report's tests, written
+before any arm's end was read. Fast: no model."""
+
+import json
+import statistics
+
+import pytest
+import scipy.stats
+
+from tools import smollm2_revival_study as srs
+
+
+def rows(pass1, mass, every=srs.EVAL_EVERY):
+    """A trunk's metrics rows: an evaluation every `every` steps, training rows between."""
+    out = []
+    for i, (p, q) in enumerate(zip(pass1, mass)):
+        out.append({"step": i * every, "eval_pass@1": p, "mass_mean": q})
+        out += [{"step": i * every + j, "reward_mean": 0.5} for j in range(1, every)
+                if i < len(pass1) - 1]
+    return out
+
+
+WOBBLE = [0.004, -0.003, 0.002, -0.004, 0.003, -0.002, 0.001]
+
+
+def flat(level, n):
+    return [level + WOBBLE[i % len(WOBBLE)] for i in range(n)]
+
+
+def test_flat_evaluations_are_a_plateau():
+    t = srs.plateau_test(rows(flat(0.6, 10), flat(0.5, 10)))
+    assert t["plateau"] and t["verdict"] == "plateau" and t["step"] == 90 and t["evals"] == 6
+    assert t["pass1"]["ci_low"] <= 0 <= t["pass1"]["ci_high"]
+
+
+def test_a_rise_in_either_measure_is_no_plateau():
+    rising = [0.3 + 0.01 * i for i in range(10)]  # 0.1 a 100 steps, steadily
+    assert not srs.plateau_test(rows(rising, flat(0.5, 10)))["plateau"]
+    assert not srs.plateau_test(rows(flat(0.6, 10), rising))["plateau"]
+
+
+def test_too_noisy_to_tell_is_no_plateau():
+    """An interval that holds 0 only because it is wide is not a plateau (the bound)."""
+    noisy = [0.6 + (0.08 if i % 2 else -0.08) for i in range(10)]
+    t = srs.plateau_test(rows(noisy, flat(0.5, 10)))
+    assert t["pass1"]["ci_low"] <= 0 <= t["pass1"]["ci_high"] and not t["plateau"]
+
+
+def test_not_before_the_window_and_only_the_window_counts():
+    assert not srs.plateau_test(rows(flat(0.6, 6), flat(0.5, 6)))["plateau"]  # step 50 < 60
+    # an early rise, then flat for the window: a plateau at step 120
+    early = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.6] + flat(0.6, 6)
+    t = srs.plateau_test(rows(early, flat(0.5, 13)))
+    assert t["plateau"] and t["step"] == 120
+
+
+@pytest.mark.parametrize("level, verdict", [(0.97, "saturated"), (0.03, "wall"), (0.5, "plateau")])
+def test_verdicts(level, verdict):
+    assert srs.plateau_test(rows(flat(level, 10), flat(0.5, 10)))["verdict"] == verdict
+
+
+def test_go_counts_prompts_resolved_inside_the_reach():
+    # Q = 8/512 = 1/64: its interval [0.0068, 0.031] lies in [1/512, 1/16)
+    inside = {"right": 8, "samples": 512}
+    # Q = 1/512: its interval reaches below 1/512; Q = 40/512 lies above 1/16
+    edge, high = {"right": 1, "samples": 512}, {"right": 40, "samples": 512}
+    c = srs.reach_count([inside] * 3 + [edge, high])
+    assert (c["reach_resolved"], c["reach_point"], c["go"]) == (3, 4, False)
+    assert srs.reach_count([inside] * srs.GO_PROMPTS)["go"]
+
+
+def test_flags_refused_in_one_line(tmp_path, capsys):
+    for argv, what in [(["--chunk", "15"], "--chunk 15"), (["--census_first", "65"],
+                                                          "--census_first 65"),
+                       (["--max_steps", "0"], "--max_steps 0")]:
+        with pytest.raises(SystemExit):
+            srs.main([*argv, "--out", str(tmp_path / "o"), "--raw", str(tmp_path / "r")])
+        assert what in capsys.readouterr().err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "r").exists()
+
+
+def write_census(folder, rights, samples):
+    folder.mkdir(parents=True)
+    (folder / "census.json").write_text(json.dumps({"samples": samples}))
+    (folder / "census.jsonl").write_text("".join(
+        json.dumps(dict(index=i, prompt=f"p{i}", answer="1", right=r, samples=samples, mean_len=20,
+                        truncated=0)) + "\n" for i, r in enumerate(rights)))
+
+
+def test_the_report_pairs_each_arm_with_n16_by_seed(tmp_path):
+    """The report's tests on made-up raw files: the held-out pass@1 differences and a census
+    measure recomputed here by hand (mean, paired t's p, the reach prompts lifted)."""
+    raw = tmp_path / "raw"
+    # the plateau census: prompts 0 and 1 in the reach (4/512 and 20/512), 2 above, 3 below
+    write_census(raw / "census-plateau", [4, 20, 100, 0], 512)
+    ends = {"n16": [0.50, 0.52, 0.48], "n256": [0.56, 0.55, 0.53]}
+    lifted = {"n16": [[0, 1, 60, 0], [0, 1, 60, 0], [20, 1, 60, 0]],  # 0, 0, 1 lifted
+              "n256": [[20, 20, 0, 0], [20, 1, 0, 0], [20, 20, 0, 0]]}  # 2, 1, 2 (prompt 2 fell)
+    for arm, values in ends.items():
+        for s, v in enumerate(values):
+            path = raw / "arms" / arm / f"seed{s}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"step": 0, "eval_pass@1": 0.4, "argv": []}) + "\n"
+                            + json.dumps({"step": 4, "eval_pass@1": v}) + "\n")
+            write_census(raw / "census-arms" / arm / f"seed{s}", lifted[arm][s], 256)
+    text = srs.report(raw)
+    diffs = [a - b for a, b in zip(ends["n256"], ends["n16"])]
+    p = scipy.stats.ttest_1samp(diffs, 0).pvalue
+    row = next(ln for ln in text.splitlines() if ln.startswith("| held-out pass@1 |"))
+    ci = scipy.stats.ttest_1samp(diffs, 0).confidence_interval()
+    assert f"| 3 | {statistics.fmean(diffs):+.4f} | {ci.low:+.4f} .. {ci.high:+.4f} | {p:.3g} |" \
+        in row, row
+    row = next(ln for ln in text.splitlines() if ln.startswith("| reach prompts lifted |"))
+    assert "| 3 | +1.3333 |" in row, row
+    assert "n256-lr" not in text  # an arm with no runs is left out
+
+
+def test_arms_branch_from_the_plateau_with_the_arms_flags(tmp_path):
+    argv = srs.arm_argv("n256-lr", 3, tmp_path)
+    value = lambda flag: argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+    assert (value("--seed"), value("--n_rollouts"), value("--steps"), value("--eval_every")) == \
+        ("3", "256", "4", "4")
+    assert float(value("--lr")) == pytest.approx(srs.LR * 4) and argv.count("--lr") == 1
+    assert value("--init_from") == str(tmp_path / "trunk-branch") and "--init_optimizer" in argv
+    long = srs.arm_argv("n16-long", 0, tmp_path)
+    assert long[long.index("--steps") + 1] == "64" and "--n_rollouts" not in long  # the preset's 16

@@ -1,0 +1,368 @@
+"""
+smollm2_revival_study.py: the paper's experiment on a real model. Does breadth revive a
+SmolLM2-135M-Instruct run that more steps at N = 16 no longer improve (docs/paper.md §1, §4)?
+Three phases, every run a `python brorl.py` in a subprocess on one thread:
+
+  trunk   ProRL's shape: the preset (`--preset smollm2`: two-digit additions, N = 16, B = 4,
+          lr 1e-5, T 0.6, 48 new tokens, two mini-batches, at most two sampling rounds) with a
+          larger evaluation, in bf16 autocast (--dtype bfloat16: the same on every CPU a rerun
+          meets; on one without native bf16 it is slower, not different), in chunks of
+          --chunk steps (tools/study.py's ChunkedRun: whatever killed the study, the same command
+          goes on from the last recorded chunk), until the plateau rule below holds.
+  census  at the plateau, before any arm: the first --census_prompts held-out prompts x 512
+          samples at the training temperature (tools/census.py), and the go/no-go below.
+  arms    only on a go: from the plateau checkpoint (its weights and AdamW moments), seeds 0-4,
+          each arm one run a seed, then each run's end censused (END_PROMPTS x END_SAMPLES):
+            n16       N = 16 continued, STEPS steps
+            n256      N = 256 at equal steps and lr
+            n256-lr   N = 256 at the paper's lr rule, lr x sqrt(256 / 16)
+            n16-long  N = 16 for as many rollouts as n256 (16x the steps)
+  report  each arm against n16, paired by seed (report(): written before any arm's end was read):
+          held-out pass@1 at the end, and the end censuses' pass@1, pass@16, pass@256 and the
+          plateau census's reach prompts lifted to >= 1/16; per test the mean difference, its paired
+          interval, paired t and sign p, and the power at the seeds run for an effect fixed now.
+
+The plateau, fixed before the trunk ran: at an eval step s >= WINDOW, over the evaluations in
+(s - WINDOW, s] (one every EVAL_EVERY steps), the ordinary least squares slope against the step of
+  - held-out pass@1 (eval_pass@1: 128 held-out problems x 8 samples at T 0.6, top_p 0.95), and
+  - the probe's mean Q (mass_mean: 48 of those problems x 16 samples at the training temperature,
+    the census's measure on fewer samples),
+each has a 95% interval (Student's t) that holds 0 and lies within +-SLOPE_BOUND per 100 steps.
+A plateau whose held-out pass@1 is >= SATURATED is a saturation, one <= WALL a wall: either is
+said, and the task's difficulty changed once before any arm (docs/results/smollm2-revival.md).
+
+The go/no-go, fixed before the census ran: prompts whose whole 95% Clopper-Pearson interval of Q
+lies in [1/512, 1/16) are in N = 512's reach and out of N = 16's (N = 512 draws a right answer in
+most steps, N = 16 in few). Go if there are at least GO_PROMPTS of them: with fewer, an arm's
+revivals could not exceed what seed noise gives (the toy's N = 16 revived 0-3 prompts).
+
+Raw files, committed as they land: assets/smollm2-revival/trunk/metrics.jsonl (rewritten after
+each chunk, the trunk's flags in its first row), trunk/chunks.jsonl (each chunk's steps and CPU
+seconds), trunk/plateau.json (the rule's numbers at the branch point), census-plateau/ (the census
+and go.json), arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl), census-arms/<arm>/seed<S>/.
+
+  python -m tools.smollm2_revival_study --out runs/smollm2-revival               # trunk, census
+  python -m tools.smollm2_revival_study --out runs/smollm2-revival --only trunk
+  python -m tools.smollm2_revival_study --report                                  # the tests
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from lib.errors import fail
+from lib.rundir import write_atomic
+from tools import census, stats, study
+
+HERE = Path(__file__).resolve().parent.parent
+RAW = HERE / "assets" / "smollm2-revival"
+EVAL_EVERY = 10  # the trunk's evaluations: every 10 steps (each chunk's end)
+WINDOW = 60  # the plateau rule's trailing steps: the evaluations at s - 50, ..., s (six)
+SLOPE_BOUND = 0.10  # the slopes' intervals within +-this per 100 steps
+SATURATED, WALL = 0.95, 0.05  # held-out pass@1 at a plateau that is no testbed
+CENSUS_PROMPTS = 64  # the census's prompts: the first 64 of the trunk's 128 held-out prompts
+REACH = (1 / 512, 1 / 16)  # N = 512's reach and not N = 16's: Q in [1/512, 1/16)
+GO_PROMPTS = 4  # the go/no-go: at least this many census prompts resolved inside REACH
+TRUNK_FLAGS = ["--preset", "smollm2", "--dtype", "bfloat16", "--eval_every", str(EVAL_EVERY),
+               "--eval_prompts", "128", "--eval_samples", "8", "--probe_prompts", "48",
+               "--probe_samples", "16", "--seed", "0"]
+PLATEAU_KEYS = ("step", "pass1", "mass", "plateau", "verdict")
+# The arms, from the plateau's checkpoint with its AdamW moments, one run a seed. N = 256, not 512:
+# the largest N whose two arms fit the plan at 5 seeds (docs/results/smollm2-revival.md).
+STEPS, BIG = 4, 256
+LR = 1e-5  # the preset's; the paper's rule: x sqrt(samples a step's ratio) = x sqrt(BIG / 16)
+ARMS = {  # name: (flags, steps)
+    "n16": ([], STEPS),
+    f"n{BIG}": (["--n_rollouts", str(BIG), "--micro_batch", "64"], STEPS),
+    f"n{BIG}-lr": (["--n_rollouts", str(BIG), "--micro_batch", "64", "--lr",
+                    f"{LR * (BIG / 16) ** 0.5:g}"], STEPS),
+    "n16-long": ([], STEPS * BIG // 16),  # N = 16 for as many rollouts as N = BIG's
+}
+END_PROMPTS, END_SAMPLES = 48, 256  # each arm's end censused on the plateau census's first 48
+# The effects each test's power is computed for, fixed before any arm ran: a held-out pass@1 or a
+# census pass@k of +0.05, and one more reach prompt lifted to >= 1/16.
+EFFECT = {"held-out pass@1": 0.05, "pass@1": 0.05, "pass@16": 0.05, "pass@256": 0.05,
+          "reach prompts lifted": 1.0}
+
+
+def slope_test(points: list) -> dict:
+    """The OLS slope per 100 steps of (step, value) points, its 95% interval, and whether it holds
+    the plateau: the interval holds 0 and lies within +-SLOPE_BOUND."""
+    b, lo, hi = (100 * v for v in stats.slope(*zip(*points)))
+    return dict(slope_per_100=b, ci_low=lo, ci_high=hi,
+                flat=lo <= 0 <= hi and -SLOPE_BOUND <= lo and hi <= SLOPE_BOUND)
+
+
+def plateau_test(rows: list) -> dict:
+    """The plateau rule at the trunk's last evaluation (the module's docstring)."""
+    evals = [r for r in rows if "eval_pass@1" in r and "mass_mean" in r]
+    last = evals[-1]["step"]
+    window = [r for r in evals if r["step"] > last - WINDOW]
+    if last < WINDOW or len(window) < 3:
+        return dict(step=last, plateau=False)
+    pass1 = slope_test([(r["step"], r["eval_pass@1"]) for r in window])
+    mass = slope_test([(r["step"], r["mass_mean"]) for r in window])
+    level = window[-1]["eval_pass@1"]
+    plateau = pass1["flat"] and mass["flat"]
+    verdict = ("" if not plateau else "saturated" if level >= SATURATED else
+               "wall" if level <= WALL else "plateau")
+    return dict(step=last, evals=len(window), pass1_at=level, pass1=pass1, mass=mass,
+                plateau=plateau, verdict=verdict)
+
+
+def reach_count(records: list) -> dict:
+    """The go/no-go's count over a census's records: prompts whose Clopper-Pearson interval of Q
+    lies inside REACH, and those whose point estimate does."""
+    inside, point = 0, 0
+    for r in records:
+        lo, hi = census.clopper_pearson(r["right"], r["samples"])
+        q = r["right"] / r["samples"]
+        inside += REACH[0] <= lo and hi < REACH[1]
+        point += REACH[0] <= q < REACH[1]
+    return dict(prompts=len(records), reach_resolved=inside, reach_point=point,
+                go=inside >= GO_PROMPTS)
+
+
+# ----------------------------------------------------------------------------
+# The trunk and the census
+
+
+def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int) -> study.ChunkedRun:
+    """The trunk as a chunked run: <out>/trunk, its chunks recorded in <raw>/trunk/chunks.jsonl,
+    its checkpoint at the last recorded chunk copied to <out>/trunk-branch."""
+    return study.ChunkedRun("trunk", out / "trunk", TRUNK_FLAGS, chunk, max_steps,
+                            raw / "trunk" / "chunks.jsonl", lambda step: out / "trunk-branch",
+                            out / "trunk.log")
+
+
+def check_trunk_raw(raw: Path):
+    """The trunk's raw files already there are this trunk's and readable; else one line."""
+    folder = raw / "trunk"
+    if (folder / "metrics.jsonl").is_file():
+        rows = study.raw_rows(folder / "metrics.jsonl")
+        if rows[0].get("argv") != TRUNK_FLAGS:
+            fail(f"{folder / 'metrics.jsonl'}: another trunk's rows (its flags "
+                 f"{rows[0].get('argv')}, not {TRUNK_FLAGS}); give another --raw")
+    if (folder / "plateau.json").is_file():
+        study.read_json(folder / "plateau.json", PLATEAU_KEYS)
+
+
+def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
+    """ProRL's shape until the plateau, chunk by chunk: after each recorded chunk the raw metrics
+    rewritten and the rule tested. Returns the plateau record, or {} if the trunk stopped first."""
+    run = trunk_run(out, raw, chunk, max_steps)
+    while True:
+        done = run.done()
+        if done:
+            rows = run.rows(done)
+            write_atomic(raw / "trunk" / "metrics.jsonl", study.raw_text(rows, TRUNK_FLAGS))
+            test = plateau_test(rows)
+            print(f"trunk step {done}: held-out pass@1 {rows[-1].get('eval_pass@1')}, probe Q "
+                  f"{rows[-1].get('mass_mean')}; plateau rule: {json.dumps(test)}", flush=True)
+            if test["plateau"]:
+                write_atomic(raw / "trunk" / "plateau.json", json.dumps(test, indent=1) + "\n")
+                return test
+        spent = sum(c["cpu_s"] for c in run.records())
+        if done >= max_steps or spent >= cap:
+            print(f"trunk: stopped without a plateau at step {done} ({spent:.0f} CPU s; "
+                  f"--max_steps {max_steps}, --trunk_cap {cap})", flush=True)
+            return {}
+        run.advance(done)
+
+
+def census_argv(out: Path, raw: Path, first: int) -> list:
+    """The plateau census's command: the trunk's prompts and sampling, its branch checkpoint."""
+    return [sys.executable, "-m", "tools.census", "--out", str(raw / "census-plateau"),
+            "--samples", "512", "--first", str(first), "--", "--preset", "smollm2", "--dtype",
+            "bfloat16", "--eval_prompts", "128", "--model",
+            str(out / "trunk-branch" / "ckpt")]
+
+
+def plateau_census(out: Path, raw: Path, first: int) -> dict:
+    """The census at the plateau (resumable: tools/census.py goes on from its recorded prompts),
+    then the go/no-go written beside it."""
+    argv = census_argv(out, raw, first)
+    print("census: " + " ".join(argv[1:]), flush=True)
+    with open(out / "census-plateau.log", "a") as f:
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                              env=study.thread_env(1), cwd=HERE).returncode
+    if code != 0:
+        sys.exit(f"error: the plateau census failed (exit {code}): {out / 'census-plateau.log'}")
+    records = census.load(raw / "census-plateau")
+    verdict = reach_count(records)
+    write_atomic(raw / "census-plateau" / "go.json", json.dumps(verdict, indent=1) + "\n")
+    print(f"census: {json.dumps(verdict)}", flush=True)
+    return verdict
+
+
+# ----------------------------------------------------------------------------
+# The arms and their end censuses
+
+
+def arm_argv(arm: str, seed: int, out: Path) -> list:
+    """One arm run's flags: the trunk's from its branch checkpoint (weights and AdamW moments), the
+    arm's, its seed; evaluated at its start and end."""
+    flags, steps = ARMS[arm]
+    argv = [*TRUNK_FLAGS]
+    for flag, value in [("--seed", str(seed)), ("--eval_every", str(steps)),
+                        *zip(flags[::2], flags[1::2])]:  # the trunk's value replaced, or added
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return [*argv, "--init_from", str(out / "trunk-branch"), "--init_optimizer",
+            "--steps", str(steps), "--out", str(out / "arms" / arm / f"seed{seed}")]
+
+
+def arm_jobs(out: Path, raw: Path, seeds: list) -> list:
+    """Every arm's runs, seed by seed (a study cut short is balanced)."""
+    return [study.Job(f"{arm} seed {s}", arm_argv(arm, s, out), out / "arms" / arm / f"seed{s}",
+                      raw / "arms" / arm / f"seed{s}.jsonl", out / "arms" / f"{arm}-seed{s}.log")
+            for s in seeds for arm in ARMS]
+
+
+def end_census_argv(arm: str, seed: int, out: Path, raw: Path) -> list:
+    """The census of an arm run's end: the plateau census's prompts, seed and flags."""
+    argv = census_argv(out, raw, END_PROMPTS)
+    argv[argv.index("--out") + 1] = str(raw / "census-arms" / arm / f"seed{seed}")
+    argv[argv.index("--samples") + 1] = str(END_SAMPLES)
+    argv[-1] = str(out / "arms" / arm / f"seed{seed}" / "ckpt")
+    return argv
+
+
+def arms(out: Path, raw: Path, seeds: list, jobs: int):
+    """Every arm's runs, `jobs` at a time (a rerun skips those whose raw file exists), then each
+    finished run's end census, one at a time (each goes on from its recorded prompts)."""
+    if not (out / "trunk-branch" / "ckpt").is_dir() or not (raw / "census-plateau" /
+                                                              "go.json").is_file():
+        fail(f"no plateau census yet ({raw / 'census-plateau' / 'go.json'}, "
+             f"{out / 'trunk-branch' / 'ckpt'}): run the trunk and the census first")
+    if not json.loads((raw / "census-plateau" / "go.json").read_text())["go"]:
+        fail(f"{raw / 'census-plateau' / 'go.json'}: a no-go; the arms do not run")
+    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds), jobs))
+    for s in seeds:
+        for arm in ARMS:
+            argv = end_census_argv(arm, s, out, raw)
+            print("census: " + " ".join(argv[1:]), flush=True)
+            with open(out / "arms" / f"{arm}-seed{s}-census.log", "a") as f:
+                code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
+                                      env=study.thread_env(1), cwd=HERE).returncode
+            if code != 0:
+                sys.exit(f"error: the census of {arm} seed {s} failed (exit {code})")
+
+
+# ----------------------------------------------------------------------------
+# The report: the tests, written before any arm's end was read
+
+
+def end_measures(rows: list, plateau: list) -> dict:
+    """An end census's measures on its prompts: pass@1 (mean Q), pass@16, pass@256, and how many
+    of the plateau census's reach prompts (by point estimate) it lifted to Q >= 1/16."""
+    at = census.summary(rows)["pass_at_k"]
+    reach = [i for i, r in enumerate(plateau[:len(rows)])
+             if REACH[0] <= r["right"] / r["samples"] < REACH[1]]
+    lifted = sum(rows[i]["right"] / rows[i]["samples"] >= REACH[1] for i in reach)
+    return {"pass@1": at[1], "pass@16": at[16], "pass@256": at[256],
+            "reach prompts lifted": lifted}
+
+
+def paired_line(name: str, arm: list, base: list) -> str:
+    """One test: an arm against n16 by seed, the mean difference with its paired interval, the
+    paired t and sign p, and the power at these seeds for the effect fixed beforehand."""
+    diffs = [a - b for a, b in zip(arm, base)]
+    mean, lo, hi = stats.paired_interval(diffs)
+    t = stats.t_test(diffs)
+    sd = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+    power = stats.paired_power(len(diffs), EFFECT[name], sd)
+    return (f"| {name} | {len(diffs)} | {mean:+.4f} | {lo:+.4f} .. {hi:+.4f} | {t['p']:.3g} | "
+            f"{stats.sign_test(diffs):.3g} | {EFFECT[name]:g} | {power:.2f} |")
+
+
+def report(raw: Path) -> str:
+    """Each arm against n16 paired by seed, from the raw files alone: held-out pass@1 at the end
+    and the end censuses' measures."""
+    found = study.read_raw(raw, groups=("arms",)).get("arms", {})
+    runs = {arm: found.get(arm, {}) for arm in ARMS}
+    plateau = census.load(raw / "census-plateau")
+    lines = ["# SmolLM2 revival: the arms against N = 16, paired by seed", "",
+             "| measure | pairs | mean difference | paired 95% interval | paired t p | sign p | "
+             "effect | power |", "|---|---|---|---|---|---|---|---|"]
+    base_seeds = sorted(runs["n16"])
+    for arm in [a for a in ARMS if a != "n16"]:
+        seeds = [s for s in base_seeds if s in runs[arm]]
+        if not seeds:
+            continue
+        lines += [f"| **{arm}** ({len(seeds)} seeds) | | | | | | | |"]
+        end = lambda a, s: [r for r in runs[a][s] if "eval_pass@1" in r][-1]["eval_pass@1"]
+        lines.append(paired_line("held-out pass@1", [end(arm, s) for s in seeds],
+                                 [end("n16", s) for s in seeds]))
+        folder = lambda a, s: raw / "census-arms" / a / f"seed{s}"
+        both = [s for s in seeds if (folder(arm, s) / "census.jsonl").is_file()
+                and (folder("n16", s) / "census.jsonl").is_file()]
+        if both:
+            m = {a: [end_measures(census.load(folder(a, s)), plateau) for s in both]
+                 for a in (arm, "n16")}
+            for name in ("pass@1", "pass@16", "pass@256", "reach prompts lifted"):
+                lines.append(paired_line(name, [x[name] for x in m[arm]],
+                                         [x[name] for x in m["n16"]]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="runs/smollm2-revival", help="the runs' directory")
+    ap.add_argument("--raw", default=str(RAW), help="the raw results' directory")
+    ap.add_argument("--only", choices=("trunk", "census", "arms"), default=None,
+                    help="one phase")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
+                    help="the arms' seeds")
+    ap.add_argument("--jobs", type=int, default=2, help="arm runs at once (one thread each)")
+    ap.add_argument("--report", action="store_true", help="the tests from the raw files")
+    ap.add_argument("--chunk", type=int, default=EVAL_EVERY, help="trunk steps between tests")
+    ap.add_argument("--max_steps", type=int, default=300, help="the trunk's most steps")
+    ap.add_argument("--trunk_cap", type=float, default=8 * 3600, help="the trunk's CPU seconds")
+    ap.add_argument("--census_first", type=int, default=CENSUS_PROMPTS,
+                    help="census the first K prompts now (the same command goes on with more)")
+    a = ap.parse_args(argv)
+    for name in ("chunk", "max_steps", "census_first", "jobs"):
+        if getattr(a, name) < 1:
+            fail(f"--{name} {getattr(a, name)}: need >= 1")
+    if a.chunk % EVAL_EVERY:
+        fail(f"--chunk {a.chunk}: a multiple of {EVAL_EVERY}, the trunk's evaluations")
+    if a.census_first > CENSUS_PROMPTS:
+        fail(f"--census_first {a.census_first}: the census holds {CENSUS_PROMPTS} prompts")
+    study.finite_positive("--trunk_cap", a.trunk_cap)
+    study.check_seeds(a.seeds)
+    out, raw = Path(a.out), Path(a.raw)
+    study.check_folder("--raw", raw, files=("report.md",))
+    if a.report:
+        if not (raw / "census-plateau" / "census.jsonl").is_file():
+            fail(f"--report: {raw / 'census-plateau'} holds no census: nothing to report")
+        text = report(raw)
+        study.write_outputs(raw, {"report.md": study.text_writer(text)})
+        print(text)
+        return
+    study.check_folder("--out", out)
+    check_trunk_raw(raw)
+    run = trunk_run(out, raw, a.chunk, a.max_steps)
+    run.check()
+    study.make_folders(raw, out)
+    with study.DriverLock(out):
+        if a.only in (None, "trunk"):
+            record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap)
+            if not record or a.only == "trunk":
+                return
+        if a.only in (None, "census"):
+            if not (raw / "trunk" / "plateau.json").is_file():
+                fail(f"no plateau yet ({raw / 'trunk' / 'plateau.json'}): run the trunk first")
+            if not plateau_census(out, raw, a.census_first)["go"] or a.only == "census":
+                return
+        arms(out, raw, a.seeds, a.jobs)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ transformers hands each layer's attention function the layer's own settings as k
 `sliding_window` in a sliding-window layer (Mistral, Phi-3, Gemma 2/3, Qwen with
 use_sliding_window), `softcap` where the scores are soft-capped (Gemma 2's attn_logit_softcapping).
 Both are applied here, whatever mask the call brings: transformers' own masks (the prefill) carry
-the window already, the update's (lib/policy.py) carry none, and applying the window twice changes
+the window already, the update's (lib/logprobs.py) carry none, and applying the window twice changes
 nothing. Without either, the call is transformers' SDPA unchanged. Decode steps are
 sampler.cascade_attention, which applies the same two settings to its shared-prefix scores.
 """

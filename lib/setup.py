@@ -2,7 +2,9 @@
 setup.py: what a training run and --eval_only share before their first step: seeds, processes and
 device, Ctrl-C's one line, the verifier, the data (its training and held-out splits, each prompt
 checked against the model's context), the fixed eval set, the policy and its tokenizer, and the
-random stream of every evaluation. Also --plan: the memory plan of such a setup, loading no weights.
+random stream of every evaluation. Also a run's plan (plan_memory: lib/planner.py's estimate
+printed, --max_rows and --micro_batch fitted to --memory_gb), and --plan: the plan of such a setup,
+loading no weights.
 """
 
 import dataclasses
@@ -23,7 +25,8 @@ import verify
 from lib import distributed, planner, pretrained
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
-from lib.policy import config_refusal, load_policy, pick_dtype, split_revision
+from lib.policy import (compute_dtype, config_refusal, load_policy, pick_dtype,
+                        split_revision)
 from lib.rundir import surviving_checkpoint
 from sampler import encode_prompt
 
@@ -199,7 +202,7 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
 
 class PromptLengths:
     """Each row's prompt length in tokens as the sampler encodes it, bounded from its bytes alone
-    (O(rows), no tokenizer call) and measured (planner.prompt_lengths) only where a bound cannot
+    (O(rows), no tokenizer call) and measured (prompt_lengths) only where a bound cannot
     decide. lo <= tokens <= hi, where lo = (the template's bytes + the stripped prompt's) / the
     most bytes a token covers, rounded up, - slack (0 where the prompt holds a special token's
     text), and hi = the template's tokens + the prompt's bytes + slack: every token covers at least
@@ -229,7 +232,7 @@ class PromptLengths:
     def measure(self, indices):
         """The exact tokens of these rows; one outside its bounds has every row measured."""
         todo = [i for i in indices if i not in self.exact]
-        counts = planner.prompt_lengths(self.tok, [self.rows[i] for i in todo],
+        counts = prompt_lengths(self.tok, [self.rows[i] for i in todo],
                                         self.system_prompt) if todo else []
         self.exact.update(zip(todo, counts))
         if any(not self.lo[i] <= self.exact[i] <= self.hi[i] for i in todo):
@@ -325,10 +328,55 @@ def plan(cfg) -> list:
     longest = max(longest, fit_context(cfg, held_out, f"{source}: held-out",
                                        max(cfg.max_new_tokens, cfg.eval_max_new_tokens), tok,
                                        positions)[1])
-    plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
+    plan_k = lambda **k: plan_memory(cfg, model_config, tok, train_set, device,
                                              report_only=True, prompt_tokens=longest, **k)
     plan_k()
     if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
         print()
         plan_k(world_size=8)
     return []
+
+
+# ----------------------------------------------------------------------------
+# A run's plan: printed before its first step, its max_rows and micro_batch fitted
+
+
+def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
+    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with
+    no chat template one batched call, the same ids."""
+    if not tok.chat_template and not system_prompt:
+        ids = tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]
+        return [len(x) for x in ids]
+    return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
+
+
+def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False,
+                prompt_tokens=None):
+    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
+    --memory_gb; stop with one line naming what to lower when even one row does not fit
+    (report_only, for --plan: say so and print the plan of one row). world_size: the K to plan for
+    (default: this run's). prompt_tokens: the longest prompt (default: the training set's, every row
+    measured)."""
+    prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
+    cfg = dataclasses.replace(cfg, dtype=pick_dtype(cfg, device, model_config)[0])
+    memory = cfg.memory_gb * planner.GB or planner.default_memory_bytes(device)
+    K = world_size or distributed.world_size()  # the figures are one rank's
+    say = print if distributed.is_main() else (lambda line: None)
+    fitted = planner.fit(model_config, cfg, prompt_tokens, memory, K)
+    if isinstance(fitted, str) and not report_only:
+        fail(fitted)
+    if isinstance(fitted, str):  # the plan of one row a micro-batch, as many rows decoded as fit
+        say(f"does not fit on {K} device(s): {fitted}")
+        fitted = (planner.fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
+    if fitted != (cfg.max_rows, cfg.micro_batch):
+        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, "
+            f"--micro_batch {cfg.micro_batch} -> {fitted[1]} to fit {memory / planner.GB:.1f} GB")
+        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
+    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, "
+        f"{compute_dtype(cfg, device)}):")
+    say(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens, K), memory))
+    t = planner.step_seconds(model_config, cfg, prompt_tokens, world_size=K)
+    gpus = planner.H100["name"] if K == 1 else f"{K} x {planner.H100['name']}, ideal scaling"
+    say(f"time per step on {gpus} (roofline estimate, step_seconds; not measured): "
+        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
+    return cfg

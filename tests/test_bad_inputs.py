@@ -548,7 +548,6 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
     bound cannot decide: the rows past the context and the longest prompt are those of every row
     measured, on short, long, non-ASCII and special-token rows, with and without a chat template."""
     from transformers import AutoTokenizer
-    from lib import planner
     tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
     tok.chat_template = template
     gen = torch.Generator().manual_seed(0)
@@ -557,7 +556,7 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
             for n in torch.randint(1, 40, (600,), generator=gen)]
     for r in rows[::10]:  # a special token's text is one token
         r["prompt"] += "<|endoftext|>" * 3
-    exact = planner.prompt_lengths(tok, rows)
+    exact = setup.prompt_lengths(tok, rows)
     lengths = setup.PromptLengths(tok, rows, "")
     assert all(lo <= n <= hi for lo, n, hi in zip(lengths.lo, exact, lengths.hi))  # the bounds
     for limit in (0, 20, 50, 90, 400):
@@ -573,12 +572,11 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
 
 def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     from transformers import AutoConfig, AutoTokenizer
-    from lib import planner
     rows = [dict(prompt=f"{i}+{i}=") for i in range(2000)] + [dict(prompt="1" * 300)]
     tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
     model_config = AutoConfig.from_pretrained(data.EMBEDDED_MODEL)
-    planner.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
-                        report_only=True)
+    setup.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
+                      report_only=True)
     assert "prompts up to 300 tokens" in capsys.readouterr().out
 
 
@@ -1037,10 +1035,10 @@ def test_math_verify_parses_each_gold_once_bounds_a_decided_call_and_never_print
 
 def test_the_fields_resume_knows_are_configs():
     """A field renamed or removed from Config leaves none of the resume policy's lists naming it."""
-    from lib import rundir
+    from lib import resume
     fields = {f.name for f in dataclasses.fields(brorl.Config)}
-    assert set(rundir.FIELDS_SINCE_RESUME) | set(rundir.ADDED_FIELDS) <= fields
-    assert set(rundir.FIXED_ON_RESUME) <= fields
+    assert set(resume.FIELDS_SINCE_RESUME) | set(resume.ADDED_FIELDS) <= fields
+    assert set(resume.FIXED_ON_RESUME) <= fields
 
 
 # ----------------------------------------------------------------------------

@@ -95,7 +95,7 @@ def test_the_default_step_is_counted():
     total, files = map(int, re.match(r"one step: (\d+) lines in (\d+) files\n", out).groups())
     rows = re.findall(r"^ +(\d+)  ((?:brorl\.py|lib/\w+\.py))$", out.split("beside it:")[0], re.M)
     assert len(rows) == files >= 2 and sum(int(n) for n, _ in rows) == total
-    assert {"brorl.py", "lib/step.py", "lib/policy.py"} <= {f for _, f in rows}
+    assert {"brorl.py", "lib/step.py", "lib/logprobs.py"} <= {f for _, f in rows}
     functions = re.search(r"^functions: (\d+)\n((?: +\d+  .+\n)+)", out, re.M)
     assert functions and len(functions.group(2).splitlines()) == int(functions.group(1))
     assert "brorl.py:rl_step" in functions.group(2) and "brorl.py:update_policy" in out

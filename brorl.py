@@ -52,8 +52,8 @@ from dataclasses import dataclass, replace
 import torch
 
 import data
-from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
-                 steplog)
+from lib import (allocation, config, diagnostics, distributed, evalonly, harness, plan, samples,
+                 setup, steplog)
 from lib.errors import fail
 from lib.logprobs import old_logprobs, reference_logprobs, response_logprobs
 from lib.lora import make_reference, trainable
@@ -530,7 +530,7 @@ def train(cfg: Config) -> list:
 if __name__ == "__main__":
     cfg = parse_config()
     if cfg.plan:
-        setup.plan(cfg)  # the memory plan, loading no weights
+        plan.plan(cfg)  # the memory plan, loading no weights
     elif cfg.eval_only:
         eval_only(cfg)  # eval.json of --model
     else:

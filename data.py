@@ -1,7 +1,9 @@
 """
-data.py: what a prompt is. The embedded arithmetic task, the embedded tiny model that is
-warm-started on it, and load_task, the one entry point for every task: real datasets are read by
-schema in lib/tasks.py, the only module of ours this one imports.
+data.py: what a prompt is. The embedded tasks (arithmetic, keys, sets), real datasets read by
+schema (gsm8k, math), the embedded tiny model that is warm-started on them, and TASKS, the table
+of tasks at the end: a task is one entry (its loader, the verifier's rule, its exact correct mass,
+its preset, its warm start), which load_task, the one entry point for every task, the verifier's
+choice, the instruments, the checks and the presets read. It imports nothing of ours.
 
 The embedded task, "arith" (a toy model of RLVR):
   prompt "123+456=", completion "579" then EOS, gold answer "579" (verify.py task "arith").
@@ -29,8 +31,8 @@ values and 4 decoys among the 900 values 100..999, drawn independently; train = 
 value is rare (77% below 1/512 in its warm start, assets/tiny-sets) while a prompt's total right
 mass spreads over the zones, and the whole answer space can be enumerated: Theorem 1's unsampled
 right answers exist in every trained group, and lib/answers.py measures them exactly.
-Dataset tasks ("gsm8k:<file or hub id>", "math:<...>") are held out the same way, by a hash of
-the problem text, unless a separate held-out source is named (split "all").
+Dataset tasks ("gsm8k:<file or hub id>", "math:<...>", read by schema below) are held out the
+same way, by a hash of the problem text, unless a separate held-out source is named (split "all").
 
 The embedded model: a Qwen2ForCausalLM (GQA: 4 query heads, 2 key/value heads, ~0.6M params)
 with a byte-level tokenizer without merges, i.e. one token per character and token id = byte
@@ -61,11 +63,11 @@ import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
-
-from lib import tasks  # real datasets by schema (imports nothing of ours)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 EMBEDDED_MODEL = ASSETS / "tiny-arith"  # warm start with p_correct = 0.25 (the default run)
@@ -77,9 +79,6 @@ EMBEDDED_MODEL_SETS = ASSETS / "tiny-sets"  # the sets task: many right values a
 EMBEDDED_MODEL_KEYS = ASSETS / "tiny-keys"
 # 16 hand-written rows in DeepScaleR's schema (task math:).
 MATH_SAMPLE = ASSETS / "math_sample.jsonl"
-# The tasks whose every split is one fixed set of prompts: training and evaluation see the same
-# prompts, by design (Theorem 1 is per prompt), so what a run sampled right is logged per prompt.
-TRAIN_IS_EVAL = ("keys", "sets")
 ARITH_DEFAULT_N = {"train": 20_000, "test": 500}  # n=None for arith (its splits hold ~10^(2d))
 
 # ----------------------------------------------------------------------------
@@ -158,6 +157,21 @@ def classify(a: int, b: int, completion: str) -> str:
     return "other"
 
 
+def arith_split(source: str, split: str, n: int | None, seed: int, digits: int) -> list[dict]:
+    """The arith task's loader: n problems of the split (ARITH_DEFAULT_N's if n is None)."""
+    if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
+        raise ValueError(f"arith digits must be in 1..20, got {digits}")
+    if split == "all":
+        raise ValueError("arith has no split 'all': its problems are generated per split")
+    return arith_problems(split, ARITH_DEFAULT_N[split] if n is None else n, seed, digits)
+
+
+def the_gold(example: dict) -> list[str]:
+    """The right answers of a task whose gold is its one right answer, in one spelling (arith's;
+    the keys task's too): the gold."""
+    return [example["answer"]]
+
+
 # ----------------------------------------------------------------------------
 # The keys task: a memorised lookup where the right answer's mass is set per prompt
 #
@@ -234,31 +248,180 @@ def sets_problems() -> list[dict]:
     return out
 
 
+def every_split(problems: Callable, source: str, split: str, n: int | None, seed: int,
+                digits: int) -> list[dict]:
+    """The loader of a task whose every split is one fixed set of prompts (keys, sets): all of
+    them, or n drawn with `seed` (all, if n is more)."""
+    rows = problems()
+    return rows if n is None else random.Random(seed).sample(rows, min(n, len(rows)))
+
+
+def sets_right(example: dict) -> list[str]:
+    """The right answers of a sets prompt: its gold's comma-separated values."""
+    return example["answer"].split(",")
+
+
+def sets_space() -> list[str]:
+    """Every answer of the sets task: the 900 values 100..999."""
+    return [str(v) for v in SETS_VALUES]
+
+
 # ----------------------------------------------------------------------------
-# One entry point for brorl.py
+# Real datasets, read by schema into examples dict(prompt, answer, task="math")
+#
+# A dataset task is "<schema>:<source>". The source is a local .jsonl / .json / .parquet file (its
+# rows, all of them) or a Hugging Face hub dataset id, optionally with a config and a split:
+# "<id>[:<config>][@<split>]" (default split "train"), read by datasets.load_dataset.
+# Schemas (the keys each row must have):
+#   gsm8k  question; answer = worked solution ending in "#### <number>". The gold is that number
+#          alone, its thousands commas removed: "#### 7,029" -> "7029".          (GSM8K)
+#   math   problem; answer, or else solution, whose last \boxed{...} is the gold. (MATH,
+#          MATH-500, DeepScaleR-Preview, AIME-style sets: an integer answer is read as text)
+# Every prompt is the problem text, one space, and ProRL's suffix MATH_SUFFIX (the verifier reads
+# the last \boxed{}); sampler.encode_prompt wraps it in the model's chat template, if it has one.
+# A bad row is an error naming the file (or hub id) and the row: no row is skipped silently. The
+# gold of a MATH solution is read by the same last-box rule the verifier applies to a model's
+# answer (verify.extract_answer), written out again here: this module imports none of ours.
+
+# ProRL's math prompt suffix (docs/paper.md §6), joined to the problem by one space as in veRL
+MATH_SUFFIX = "Let's think step by step and output the final answer within \\boxed{}."
+LOCAL = (".jsonl", ".json", ".parquet")
+_GSM8K_NUMBER = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")
 
 
-def load_task(task: str, split: str, n: int | None = None, seed: int = 0,
-              digits: int = 3) -> list[dict]:
-    """Examples dict(prompt, answer, task) for task "arith", "keys", "sets" or "<schema>:<source>"
-    (gsm8k:, math:; lib/tasks.py reads them). split "train" or "test" is held out by a hash of the
-    problem text (for a dataset, of all its rows: one file, or one hub split); "all" is every row
-    of a dataset (a separate held-out source, --eval_task). n=None: every row of the split, or
-    ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
-    if split not in ("train", "test", "all"):
-        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
-    if task in TRAIN_IS_EVAL:  # one set of prompts: every split is all of it
-        rows = keys_problems() if task == "keys" else sets_problems()
-        return rows if n is None else random.Random(seed).sample(rows, min(n, len(rows)))
-    if task == "arith":
-        if not 1 <= digits <= 20:  # 2*digits+2 prompt chars must fit the model's 64 positions
-            raise ValueError(f"arith digits must be in 1..20, got {digits}")
-        if split == "all":
-            raise ValueError("arith has no split 'all': its problems are generated per split")
-        return arith_problems(split, ARITH_DEFAULT_N[split] if n is None else n, seed, digits)
-    rows = [r for r in tasks.load(task) if split in ("all", split_of(r["prompt"]))]
+def _text(row, key: str, where: str, numbers_ok: bool = False) -> str:
+    """row[key] as a stripped non-empty string (an integer too, if numbers_ok: AIME answers)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if key not in row:
+        raise ValueError(f"{where}: missing key '{key}' (keys: {sorted(row)})")
+    if row[key] is None:
+        raise ValueError(f"{where}: '{key}' is null")
+    v = row[key]
+    if numbers_ok and isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    if not isinstance(v, str) or not v.strip():
+        raise ValueError(f"{where}: '{key}' must be a non-empty string, got {v!r}")
+    return v.strip()
+
+
+def _example(problem: str, answer: str) -> dict:
+    return dict(prompt=f"{problem} {MATH_SUFFIX}", answer=answer, task="math")
+
+
+def gsm8k_row(row, where: str) -> dict:
+    """question / answer "... #### 1,234" -> the number after the last ####, commas removed."""
+    question, solution = _text(row, "question", where), _text(row, "answer", where)
+    k = solution.rfind("####")
+    final = solution[k + 4:].strip().replace(",", "") if k >= 0 else ""
+    if not _GSM8K_NUMBER.fullmatch(final):
+        raise ValueError(f"{where}: 'answer' must end in '#### <number>', "
+                         f"got ...{solution[-40:]!r}")
+    return _example(question, final)
+
+
+def math_row(row, where: str) -> dict:
+    """problem / answer; without an answer, the last \\boxed{} of the solution."""
+    problem = _text(row, "problem", where)
+    if isinstance(row, dict) and row.get("answer") is None and row.get("solution") is not None:
+        solution = _text(row, "solution", where)
+        gold = last_boxed(solution)
+        if gold is None:
+            raise ValueError(f"{where}: no 'answer', "
+                             f"and its 'solution' has no closed \\boxed{{...}}")
+        return _example(problem, gold)
+    return _example(problem, _text(row, "answer", where, numbers_ok=True))
+
+
+def last_boxed(text: str):
+    r"""The content of the last \boxed{...} or \fbox{...} (braces balanced, \{ \} skipped), or None
+    if it is empty or unclosed. The verifier's rule 1 (verify.extract_answer), for trusted text."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0 or text[start:i].strip() not in ("\\boxed", "\\fbox"):
+        return None
+    depth, j = 0, i
+    while j < len(text):
+        if text[j] == "\\":  # \{ \} \\ are not braces
+            j += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j].strip() or None
+        j += 1
+    return None
+
+
+def import_datasets(what: str):
+    """The optional `datasets` package, or a ValueError (one line: the run stops naming it) saying
+    what to install."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{what} needs the datasets package: pip install datasets==5.2.0 "
+                         "(or a .jsonl/.json file, read without it)") from None
+    return datasets
+
+
+def read_local(path: Path) -> list:
+    """Rows of a local .jsonl / .json / .parquet file. JSON is parsed here, not by `datasets`,
+    so that a bad row is reported by number instead of failing a whole-file type inference."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        # Imported lazily: it is slow to import, and only real datasets need it.
+        datasets = import_datasets(f"{path}: a .parquet file")
+        return list(datasets.load_dataset("parquet", data_files=str(path), split="train"))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 "
+                         f"(byte {raw[e.start]:#04x} at offset {e.start})") from None
+    if text.lstrip().startswith("["):  # a JSON array of objects
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+    rows = []  # JSON lines; "row i" below is the i-th non-blank line, counted from 1
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: row {len(rows) + 1} (line {lineno}): "
+                                 f"invalid JSON: {e.msg}") from None
+    return rows
+
+
+def read_hub(source: str) -> list:
+    """Rows of "<id>[:<config>][@<split>]" through datasets.load_dataset (default split: train)."""
+    datasets = import_datasets(f"{source}: a hub dataset")
+    name, _, split = source.partition("@")
+    name, _, config = name.partition(":")
+    try:
+        return list(datasets.load_dataset(name, config or None, split=split or "train"))
+    except Exception as e:  # the hub's errors are many kinds; the message is what matters
+        raise ValueError(f"{source}: could not load from the hub "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def read_dataset(read_row: Callable, source: str) -> list[dict]:
+    """Every example of a source, each row read by one schema's reader, in the source's order."""
+    rows = read_local(Path(source)) if source.endswith(LOCAL) else read_hub(source)
+    return [read_row(row, f"{source}: row {i}") for i, row in enumerate(rows, 1)]
+
+
+def dataset_split(read_row: Callable, source: str, split: str, n: int | None, seed: int,
+                  digits: int) -> list[dict]:
+    """The loader of a dataset task: the split's rows (a hash of the problem text holds ~10% out:
+    split_of; "all", every row), all or n drawn with `seed`."""
+    rows = [r for r in read_dataset(read_row, source) if split in ("all", split_of(r["prompt"]))]
     if n is not None and n > len(rows):
-        raise ValueError(f"{task}: asked for {n} {split} rows, it has {len(rows)}")
+        raise ValueError(f"{source}: asked for {n} {split} rows, it has {len(rows)}")
     return rows if n is None else random.Random(seed).sample(rows, n)
 
 
@@ -410,8 +573,10 @@ class WarmStart:
     def __post_init__(self):
         """Every number's range (a ValueError naming the flag): a bad one would fail mid-build or
         build wrong."""
-        if self.task not in ("arith", "keys", "sets"):
-            raise ValueError(f"--task {self.task!r}: choose arith, keys or sets")
+        built = [name for name, t in TASKS.items() if t.warm_start]  # the embedded tasks
+        if self.task not in built:
+            raise ValueError(f"--task {self.task!r}: choose {', '.join(built[:-1])} or "
+                             f"{built[-1]}")
         if bad := [k for k in self.slips.split(",") if k not in PROCEDURES or k == "correct"]:
             raise ValueError(f"--slips: unknown {bad}; "
                              f"choose among {[k for k in PROCEDURES if k != 'correct']}")
@@ -730,6 +895,88 @@ def save(model, tok, cfg: WarmStart, report: dict) -> None:
     os.replace(tmp, out)
 
 
+# ----------------------------------------------------------------------------
+# The tasks: one table
+#
+# A task is one entry: a forker adds one, and nothing else spells its name. load_task (below) calls
+# its loader; the verifier scores it by its rule (lib/setup.pick_verifier, lib/step.score); its
+# right answers, where they are listed, give its exact correct mass (lib/mass.py); its answer
+# space, where it can be enumerated, the answer distributions and the mass balance
+# (lib/answers.py, lib/balance.py); the checks read which tasks allow which flags
+# (lib/checks.py); its preset is --preset <name> (lib/presets.py); `python data.py build` runs its
+# warm start.
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: what brorl reads of it. Named "<name>", or "<name>:<source>" if it reads a
+    dataset (source: a file or a hub id)."""
+    load: Callable  # (source, split, n, seed, digits) -> examples dict(prompt, answer, task=rule):
+    # split "train", "test" or "all"; n None: every row of the split; else n drawn with seed
+    rule: str  # verify.py's rule that scores its answers ("arith", "sets" or "math"): each
+    # example's "task"
+    source: bool = False  # named "<name>:<source>": it reads a dataset from a file or the hub
+    train_is_eval: bool = False  # every split is one fixed set of prompts: a run is evaluated on
+    # its own training prompts, by design (Theorem 1 is per prompt); --train_prompts needs one
+    right_answers: Callable | None = None  # example -> its right answers, each one spelling
+    # (tokens, then EOS) whose probability the exact Q sums (lib/mass.py); None: no exact Q
+    answer_space: Callable | None = None  # () -> every answer, where few enough to enumerate
+    # (--answer_prompts, --mass_balance); None: not enumerable
+    preset: dict | None = None  # --preset <name>: its overrides beside --task <name>
+    warm_start: Callable | None = None  # WarmStart -> (report, model, tok): its embedded
+    # model's build (python data.py build --task <name>)
+
+
+# --task's names, in --help's order; the first is Config's default.
+TASKS = {
+    "arith": Task(arith_split, "arith", right_answers=the_gold, warm_start=warm_start),
+    # 512 prompts, each its own right value whose mass the warm start spread over decades; train =
+    # eval, every prompt scored and its exact Q logged (tools/breadth_study.py). Verified by the
+    # integer rule, as arith.
+    "keys": Task(partial(every_split, keys_problems), "arith", train_is_eval=True,
+                 right_answers=the_gold, warm_start=warm_start_keys,
+                 preset=dict(model=str(EMBEDDED_MODEL_KEYS), eval_prompts=512, eval_samples=16)),
+    # 256 prompts, each with 16 right values among the 900 of 100..999, each rare; train = eval;
+    # the whole answer distribution of 64 of them exact at every eval
+    "sets": Task(partial(every_split, sets_problems), "sets", train_is_eval=True,
+                 right_answers=sets_right, answer_space=sets_space, warm_start=warm_start_sets,
+                 preset=dict(model=str(EMBEDDED_MODEL_SETS), eval_prompts=256, eval_samples=16,
+                             answer_prompts=64, max_new_tokens=4)),
+    "gsm8k": Task(partial(dataset_split, gsm8k_row), "math", source=True),
+    "math": Task(partial(dataset_split, math_row), "math", source=True),
+}
+
+
+def task_names() -> str:
+    """--task's choices, as a list in words: 'arith, keys, sets, gsm8k:<source> or
+    math:<source>'."""
+    names = [name + ":<source>" * t.source for name, t in TASKS.items()]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def task_of(task: str) -> Task:
+    """The entry of a task named "<name>" or "<name>:<source>"; for any other name a ValueError
+    naming the choices."""
+    name, colon, source = task.partition(":")
+    entry = TASKS.get(name)
+    if entry is None or bool(colon) != entry.source or (colon and not source):
+        raise ValueError(f"unknown task {task!r}: choose {task_names()} (a source: a "
+                         ".jsonl/.json/.parquet path or a hub dataset id[:config][@split])")
+    return entry
+
+
+def load_task(task: str, split: str, n: int | None = None, seed: int = 0,
+              digits: int = 3) -> list[dict]:
+    """Examples dict(prompt, answer, task=its rule) of a task of TASKS: split "train" or "test" is
+    held out by a hash of the problem text (for a dataset, of all its rows: one file, or one hub
+    split); "all" is every row of a dataset (a separate held-out source, --eval_task); the tasks
+    whose training set is their eval set return it for every split. n=None: every row of the
+    split, or ARITH_DEFAULT_N arith problems; else n drawn with `seed`."""
+    if split not in ("train", "test", "all"):
+        raise ValueError(f"split must be 'train', 'test' or 'all', got {split!r}")
+    return task_of(task).load(task.partition(":")[2], split, n, seed, digits)
+
+
 def main(argv=None) -> None:
     import inspect
     from dataclasses import fields
@@ -777,10 +1024,9 @@ def main(argv=None) -> None:
     except ValueError as e:
         ap.error(str(e))
     for name, cfg in cfgs.items():
-        build = dict(keys=warm_start_keys, sets=warm_start_sets).get(cfg.task, warm_start)
-        report, model, tok = build(cfg)
+        report, model, tok = TASKS[cfg.task].warm_start(cfg)
         save(model, tok, cfg, report)
-        if cfg.task in ("keys", "sets"):
+        if "spread" in report:  # a lookup task's: the spread of its prompts' exact Q
             print(f"{name} -> {cfg.out} ({report['train_cpu_seconds']:.0f} CPU s), log10 Q:",
                   report["spread"])
             continue

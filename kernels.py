@@ -35,6 +35,7 @@ sm_80 / sm_90 (registers, spills, occupancy), the memory/speed tables and an opt
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -169,29 +170,45 @@ def token_logprobs_ref(logits, targets, temperature=1.0, with_entropy=False, val
 def logprobs_fwd_ref(logits, targets, temperature, with_entropy=True):
     """The forward kernel's contract in plain torch, without autograd: logits (r, V), targets (r,)
     -> logp (r,), entropy (r,) or None, lse (r,), fp32. With `logprobs_bwd_ref` it is the CPU path
-    of `linear_logprobs`, which makes its own backward from lse. float64 logits stay float64."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V); no copy when fp32
-    x = x / temperature if temperature != 1 else x
-    lse = torch.logsumexp(x, -1)  # (r,)
+    of `linear_logprobs`, which makes its own backward from lse. float64 logits stay float64.
+    Every full pass over the vocabulary costs as much as the chunk's matmul on a CPU, so they are
+    few: the fp32 copy is tempered and shifted in place, lse is torch.logsumexp's own sequence of
+    operations (the same bits) keeping exp(x - m), and the entropy reuses it, as the kernel does
+    (H = lse - sum p x = log s - sum exp(x - m) (x - m) / s, s = sum exp(x - m))."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V); fp32 is no copy
+    own = x is not logits  # a buffer of our own, changed in place from here
+    if temperature != 1:
+        x, own = (x.div_(temperature) if own else x / temperature), True
     valid = targets != IGNORE_INDEX  # (r,)
     x_t = x.gather(-1, targets.clamp(min=0)[:, None])[:, 0]  # (r,) clamp: -100 -> col 0
+    m = x.amax(-1, keepdim=True)  # (r, 1)
+    m.masked_fill_(m.abs() == math.inf, 0)  # (as torch.logsumexp does)
+    y = x.sub_(m) if own else x - m  # (r, V) x - m
+    e = torch.exp(y) if with_entropy else y.exp_()  # (r, V) exp(x - m)
+    s = e.sum(-1)  # (r,)
+    log_s = s.log()  # (r,)
+    lse = log_s + m[:, 0]  # (r,)
     logp = torch.where(valid, (x_t - lse).clamp(max=0), 0.0)  # <= 0 against the last ulp
     if not with_entropy:
         return logp, None, lse
-    p = torch.sub(x, lse[:, None]).exp_()  # (r, V) softmax
-    entropy = torch.special.entr(p).sum(-1)  # -sum p log p, entr(0) = 0
+    # -inf logits have e = 0: the clamp makes their term 0 * (-max float), not 0 * -inf = nan
+    entropy = log_s - torch.linalg.vecdot(e, y.clamp_(min=torch.finfo(y.dtype).min)) / s
     return logp, torch.where(valid, entropy, 0.0), lse
 
 
 def logprobs_bwd_ref(logits, targets, lse, grad_logp, temperature):
     """The backward kernel's contract in plain torch: (onehot(t) - p) * grad_logp / T, (r, V) in
-    the logits' dtype; exactly 0 on ignored rows."""
+    the logits' dtype; exactly 0 on ignored rows. Made in place in the fp32 copy where there is
+    one (bf16 logits, or a temperature)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (r, V) fp32 (fp64 stays)
-    x = x / temperature if temperature != 1 else x
+    own = x is not logits
+    if temperature != 1:
+        x, own = (x.div_(temperature) if own else x / temperature), True
     valid = targets != IGNORE_INDEX  # (r,)
     # (r,) the upstream gradient times 1/T: the chain rule through x = logits / T.
     g = torch.where(valid, grad_logp.to(x.dtype), 0.0) / temperature
-    grad = torch.sub(x, lse[:, None]).exp_().mul_(-g[:, None])  # (r, V) = -p g / T, one buffer
+    p = x.sub_(lse[:, None]) if own else torch.sub(x, lse[:, None])  # (r, V) x - lse
+    grad = p.exp_().mul_(-g[:, None])  # (r, V) = -p g / T, one buffer
     grad.scatter_add_(-1, targets.clamp(min=0)[:, None], g[:, None])  # + onehot g / T
     grad[~valid] = 0.0  # touches the ignored rows only; -0.0 and nan-free whatever their logits
     return grad.to(logits.dtype)

@@ -17,7 +17,7 @@ rollout does not keep the short ones' rows decoding padding, as generate() does.
 Any Hugging Face decoder whose layers call transformers' attention interface works (Llama,
 Mistral, Qwen2/3, Phi-3, OLMo 2, Gemma 2/3 are tested), sliding-window layers and soft-capped
 scores included: importing this module registers the attention implementation "brorl" (the cascade
-in decode steps, lib/attention.py's SDPA everywhere else); load models with
+in decode steps, SDPA everywhere else); load models with
 AutoModelForCausalLM.from_pretrained(..., attn_implementation="brorl").
 
     generate(model, tok, prompts, n, max_new, temperature, top_p, max_rows, seeds,
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from kernels import token_logprobs
-from lib.attention import attend
 
 # A rollout's log-probs must not depend on which other rows share its decode steps. Two things in
 # a decode step depend on the chunk: its prompts' padding, and how many rows it decodes. A softmax
@@ -162,11 +162,68 @@ class SharedPrefixCache:
         return self.k[layer_idx][:, :, : self.t + 1], self.v[layer_idx][:, :, : self.t + 1]
 
 
+# The attention "brorl" outside decode steps (the prompt's prefill, the update's passes,
+# lib/logprobs.py), for every model family it serves (lib/attention.unsupported says which it
+# cannot).
+# transformers hands each layer's attention function the layer's own settings as keyword arguments:
+# `sliding_window` in a sliding-window layer (Mistral, Phi-3, Gemma 2/3, Qwen with
+# use_sliding_window), `softcap` where the scores are soft-capped (Gemma 2's
+# attn_logit_softcapping). Both are applied here, whatever mask the call brings: transformers' own
+# masks (the prefill) carry the window already, the update's carry none, and applying the window
+# twice changes nothing. Without either, the call is transformers' SDPA unchanged. Decode steps are
+# cascade_attention (below), which applies the same two settings to its shared-prefix scores.
+
+
+def visible_keys(q_len: int, kv_len: int, window, device) -> torch.Tensor:
+    """(q_len, kv_len) bool: the keys each query may see when the queries are the last q_len of the
+    kv_len positions (a prompt alone, or responses after their prompt's keys): those at or before
+    it and, with a sliding window, fewer than `window` positions before it (transformers' rule,
+    kv > q - window). Indices stand for positions: left-padding shifts a row's real keys and its
+    queries alike, so their distances are kept."""
+    q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # (q_len, 1)
+    k = torch.arange(kv_len, device=device)  # (kv_len,)
+    return (k <= q) & (k > q - window) if window else k <= q
+
+
+def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+           sliding_window=None, softcap=None, **kwargs):
+    """Attention outside decode steps: query (b, H, q, D), key/value (b, Hkv, k, D), attention_mask
+    (b, 1, q, >= k) bool or None (causal). Returns (b, q, H, D) and None, as transformers wants."""
+    kv_len = key.shape[-2]
+    if sliding_window and kv_len > sliding_window:  # some key lies a window or more back
+        # (1, 1, q, k)
+        near = visible_keys(query.shape[-2], kv_len, sliding_window, query.device)[None, None]
+        attention_mask = near if attention_mask is None else attention_mask[..., :kv_len] & near
+    if softcap:
+        return softcapped_attention(module, query, key, value, attention_mask, scaling, dropout,
+                                    softcap)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                  dropout=dropout, **kwargs)
+
+
+def softcapped_attention(module, query, key, value, attention_mask, scaling, dropout, softcap):
+    """Gemma 2's attention in plain torch, as its eager attention: the scores soft-capped,
+    softcap * tanh(s / softcap), then masked, then a float32 softmax (SDPA has no soft-cap). A key
+    is hidden by the dtype's least value, not -inf, so that a query with no visible key (a padding
+    row) gives no NaN."""
+    G = query.shape[1] // key.shape[1]  # G query heads share one kv head (GQA)
+    key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)  # (b, H, k, D) each
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    s = torch.matmul(query, key.transpose(-1, -2)) * scale  # (b, H, q, k)
+    s = softcap * torch.tanh(s / softcap)
+    if attention_mask is None:  # transformers' plain causal mask, left to SDPA's is_causal
+        attention_mask = visible_keys(query.shape[-2], key.shape[-2], None, query.device)
+    s = s.masked_fill(~attention_mask[..., : key.shape[-2]], torch.finfo(s.dtype).min)
+    p = torch.softmax(s.float(), -1).to(query.dtype)  # (b, H, q, k)
+    p = torch.nn.functional.dropout(p, dropout, training=module.training)
+    return torch.matmul(p, value).transpose(1, 2).contiguous(), None  # (b, q, H, D)
+
+
 def cascade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       shared_prefix=None, sliding_window=None, softcap=None, **kwargs):
     """Registered as the attention implementation "brorl". Decode steps (shared_prefix is a
     SharedPrefixCache, attention_mask its prefix_mask) use the shared prefixes; everything else is
-    lib/attention.attend (SDPA). The layer's sliding_window and softcap apply in both."""
+    attend (SDPA). The layer's sliding_window and softcap apply in both."""
     cache = shared_prefix
     if cache is None:
         return attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -205,8 +262,8 @@ def cascade_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.reshape(R, 1, H, D), None  # HF wants (batch, q_len, heads, head_dim)
 
 
-# Every model is loaded with attn_implementation="brorl": the cascade in decode steps,
-# lib/attention.attend (SDPA) everywhere else.
+# Every model is loaded with attn_implementation="brorl": the cascade in decode steps, attend
+# (SDPA) everywhere else.
 AttentionInterface.register("brorl", cascade_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register("brorl", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 

@@ -30,9 +30,10 @@ PASS_K = [2 ** i for i in range(11)]  # 1 ... 1024
 
 
 def space(task: str) -> list:
-    """Every answer of a task whose answer space is enumerable, as strings; [] for any other
-    task."""
-    return [str(v) for v in data.SETS_VALUES] if task == "sets" else []
+    """Every answer of a task whose answer space is enumerable (its answer_space, data.TASKS), as
+    strings; [] for any other task."""
+    enumerate_answers = data.task_of(task).answer_space
+    return enumerate_answers() if enumerate_answers else []
 
 
 def right_mask(examples, answers: list) -> torch.Tensor:

@@ -30,7 +30,7 @@ import math
 import torch
 
 from lib import answers
-from lib.mass import exact_log_mass
+from lib.mass import exact_log_mass, measured_task
 from lib.step import Group
 
 
@@ -86,8 +86,9 @@ class Snapshot:
         self.space = answers.space(cfg.task)
         self.logp = answers.distribution(model, tok, trained, self.space, cfg.temperature,
                                          cfg.system_prompt)  # (G, A)
-        self.others_log_q = exact_log_mass(model, tok, others, cfg.temperature,
-                                           cfg.system_prompt)  # (O,) the right values' sequences
+        # (O,) the right values' sequences
+        self.others_log_q = exact_log_mass(model, tok, others, measured_task(cfg).right_answers,
+                                           cfg.temperature, cfg.system_prompt)
 
 
 def records(before: Snapshot, after: Snapshot, kept: list[Group], keep: torch.Tensor) -> dict:

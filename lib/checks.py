@@ -3,8 +3,8 @@ checks.py: what is wrong with a config, before any work, in one line naming the 
 (lib/config.parse_config says it and stops with exit status 2): every number's range and every
 choice (check_config), the device (check_device), and a flag typed that would change nothing in
 this run (unused_flag). A new flag's check is one entry of check_config's list. It imports nothing
-of ours but the verifiers' names (verify.py), the tasks whose training set is their eval set
-(data.py), the process count (distributed.py) and the losses' table (objectives.py).
+of ours but the verifiers' names (verify.py), the tasks' table (data.TASKS: which tasks exist,
+which allow which flags), the process count (distributed.py) and the losses' table (objectives.py).
 """
 
 import dataclasses
@@ -104,11 +104,30 @@ def check_device(device: str) -> str:
     return ""
 
 
+def tasks_with(what: str) -> list:
+    """The names of the tasks (data.TASKS) whose entry has `what` (e.g. train_is_eval)."""
+    return [name for name, t in data.TASKS.items() if getattr(t, what)]
+
+
+def task_problem(flag: str, name: str) -> str:
+    """What is wrong with a task's name, as one line naming the flag (data.task_of's), or ''."""
+    try:
+        data.task_of(name)
+    except ValueError as e:
+        return f"--{flag} {name}: {e}"
+    return ""
+
+
 def check_config(cfg) -> str:
     """The first thing wrong with cfg, as one line naming the flag, or ''. Every number's range is
     checked here, before any work: a value out of range would train silently wrong (a negative
     --grad_clip flips the gradient, --lr 0 trains nothing) or crash after training, before its
     checkpoint."""
+    # The tasks first: the checks below read the task's entry.
+    if problem := (task_problem("task", cfg.task)
+                   or cfg.eval_task and task_problem("eval_task", cfg.eval_task)):
+        return problem
+    task = data.task_of(cfg.task)
     not_finite = [f"--{f.name} {getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
                   # An inf would pass a range check below, so it is caught here.
                   if f.type is float and not math.isfinite(getattr(cfg, f.name))]
@@ -211,9 +230,9 @@ def check_config(cfg) -> str:
         (cfg.steps >= 0 and cfg.eval_every >= 1, "--steps must be >= 0 and --eval_every >= 1"),
         (cfg.max_rounds >= 1, f"--max_rounds {cfg.max_rounds}: need >= 1"),
         (cfg.train_prompts >= 0, f"--train_prompts {cfg.train_prompts}: need >= 0 (0: all)"),
-        (cfg.train_prompts == 0 or cfg.task in data.TRAIN_IS_EVAL,
+        (cfg.train_prompts == 0 or task.train_is_eval,
          f"--train_prompts {cfg.train_prompts}: needs a task whose training set is its eval set "
-         f"({', '.join(data.TRAIN_IS_EVAL)}), not --task {cfg.task}"),
+         f"({', '.join(tasks_with('train_is_eval'))}), not --task {cfg.task}"),
         (cfg.train_prompts <= cfg.eval_prompts or cfg.eval_task,
          f"--train_prompts {cfg.train_prompts}: the eval set's first n, so at most --eval_prompts "
          f"{cfg.eval_prompts}"),
@@ -241,12 +260,13 @@ def check_config(cfg) -> str:
         (cfg.probe_samples >= 1, f"--probe_samples {cfg.probe_samples}: need >= 1"),
         (cfg.mass_prompts >= 0, f"--mass_prompts {cfg.mass_prompts}: need >= 0 (0: the eval set)"),
         (cfg.answer_prompts >= 0, f"--answer_prompts {cfg.answer_prompts}: need >= 0 (0: off)"),
-        (cfg.answer_prompts == 0 or cfg.task == "sets",
-         f"--answer_prompts {cfg.answer_prompts}: the whole answer distribution needs --task sets "
-         "(an answer space small enough to enumerate)"),
+        (cfg.answer_prompts == 0 or task.answer_space,
+         f"--answer_prompts {cfg.answer_prompts}: the whole answer distribution needs --task "
+         f"{one_of(tasks_with('answer_space'))} (an answer space small enough to enumerate)"),
         (cfg.mass_balance >= 0, f"--mass_balance {cfg.mass_balance}: need >= 0 steps (0: off)"),
-        (not cfg.mass_balance or (cfg.task == "sets" and distributed.world_size() == 1),
-         "--mass_balance: needs --task sets and one process (not torchrun)"),
+        (not cfg.mass_balance or (task.answer_space and distributed.world_size() == 1),
+         f"--mass_balance: needs --task {one_of(tasks_with('answer_space'))} and one process "
+         "(not torchrun)"),
         (1 <= cfg.gate_small_n < cfg.gate_large_n,
          f"--gate_small_n {cfg.gate_small_n}, --gate_large_n {cfg.gate_large_n}: "
          "need 1 <= small < large (the gate is 1/large <= Q < 1/small)"),

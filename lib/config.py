@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import data
 from lib.checks import check_config, one_of, unused_flag
 from lib.errors import fail
 from lib.objectives import OBJECTIVES, LossFlags
@@ -146,12 +147,13 @@ def field_help(config_cls) -> dict:
 
 
 def table_help(config_cls, presets) -> dict:
-    """field_help with the names its tables hold said: --preset's (lib/presets.py), --loss's and
-    what --loss_agg auto runs with each (lib/objectives.OBJECTIVES), so the help never falls
-    behind a table."""
+    """field_help with the names its tables hold said: --task's (data.TASKS), --preset's
+    (lib/presets.py), --loss's and what --loss_agg auto runs with each (lib/objectives.OBJECTIVES),
+    so the help never falls behind a table."""
     helps = field_help(config_cls)
     by_sequence = [loss for loss, o in OBJECTIVES.items() if o.aggregation == "sequence"]
-    said = {"preset": f"; one of {', '.join(presets)}",
+    said = {"task": f"; one of {data.task_names()}",
+            "preset": f"; one of {', '.join(presets)}",
             "loss": f"; one of {', '.join(OBJECTIVES)}",
             "loss_agg": f": sequence with --loss {one_of(by_sequence)}, else token"}
     return {name: text + said.get(name, "") for name, text in helps.items()}

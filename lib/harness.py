@@ -26,7 +26,8 @@ from lib.objectives import OBJECTIVES, aggregation
 from lib.policy import autocast, compute_dtype, enable_grad_ckpt
 from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
                         surviving_checkpoint, write_atomic, writes_are_one_line)
-from lib.setup import plan_memory, setup, stop_on_ctrl_c
+from lib.plan import plan_memory
+from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
 
 
@@ -283,7 +284,7 @@ def start(cfg) -> Run:
         f"{distributed.world_size()} process(es); train {len(train_set)} prompts, "
         f"eval {len(eval_set)}; verifier {cfg.verifier}; run dir {out}")
     # keys and sets: the held-out set is the training set, by design.
-    if cfg.task in data.TRAIN_IS_EVAL:
+    if data.task_of(cfg.task).train_is_eval:
         say(f"task {cfg.task}: evaluated on {len(eval_set)} of its own training prompts, by design "
             "(Theorem 1 is per prompt; data.py)")
     # K > 1: the model's parameters, gradients and AdamW state are sharded (FSDP2); a full replica

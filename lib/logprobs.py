@@ -51,7 +51,7 @@ class ReplayCache(DynamicCache):
 
     def __init__(self, prefix=()):
         # No config: every layer keeps all its keys, sliding-window layers too; the masks built
-        # here index the whole prefix and lib/attention.py applies the window.
+        # here index the whole prefix and sampler.attend applies the window.
         super().__init__()
         for i, (k, v) in enumerate(prefix):
             super().update(k, v, i)

@@ -3,13 +3,13 @@ mass.py: the exact correct mass of a prompt. Theorem 1 and Lemma 2 (docs/paper.m
 Q_pos, the correct mass of one softmax over free logits; a language model's per-prompt Q(x), the
 probability the policy gives its correct answers, is read by analogy to it. The probe
 (lib/diagnostics.probe_mass) samples Q(x) (the probe's Q), which cannot see a mass below
-1/probe_samples; this module computes it (the exact Q). Where the right answers are listed token
-sequences (on the arith task and on keys the digits of the gold, then EOS; on sets each of its
-right values), Q(x) is exact: the product of a sequence's tempered token probabilities (summed over
-a prompt's right values on sets), teacher-forced, from one forward through the log-prob path
-the update uses (lib/logprobs.py's response_logprobs, the log-prob kernel). It is a lower bound on
-the verifier's accepted mass: the integer rule also takes " 579" or "0579", strings no warm start
-ever wrote.
+1/probe_samples; this module computes it (the exact Q). Where a task lists its right answers (its
+entry's right_answers, data.TASKS: on the arith task and on keys the digits of the gold, then EOS;
+on sets each of its right values), Q(x) is exact: the product of a sequence's tempered token
+probabilities (summed over a prompt's right answers), teacher-forced, from one forward through the
+log-prob path the update uses (lib/logprobs.py's response_logprobs, the log-prob kernel). It is a
+lower bound on the verifier's accepted mass: the integer rule also takes " 579" or "0579", strings
+no warm start ever wrote.
 
 Zones, for a policy that samples N rollouts of a prompt (gate_small_n = 16, ProRL's N;
 gate_large_n = 512, BroRL's): Q >= 1/16 "high" (N = 16 sees the right answer about once a group
@@ -30,16 +30,20 @@ from lib.logprobs import response_logprobs
 from lib.step import Batch
 from sampler import encode_prompt
 
-CANONICAL_TASKS = ("arith", "keys", "sets")  # tasks whose right answers are listed token sequences
+
+def measured_task(cfg) -> data.Task:
+    """The entry (data.TASKS) of the task whose prompts the exact Q measures: --eval_task's where
+    the eval set is measured (--mass_prompts 0) and named by one, else --task's."""
+    return data.task_of(cfg.eval_task if cfg.eval_task and cfg.mass_prompts == 0 else cfg.task)
 
 
 def prompt_set(cfg, eval_set, train_set=None) -> list:
     """The prompts whose exact Q is logged: the eval set (--mass_prompts 0), or --mass_prompts
     training prompts drawn by --eval_seed alone (the same problems for every --seed, so runs pair
     prompt by prompt), under --train_prompts the first of those trained (train_set); none unless
-    every one has listed right answers (the integer rule's tasks: arith, keys, sets)."""
-    if cfg.task not in CANONICAL_TASKS:
-        return []
+    the training task and the measured one (measured_task) list their right answers."""
+    if not (data.task_of(cfg.task).right_answers and measured_task(cfg).right_answers):
+        return []  # (e.g. --eval_task math:..., whose rows have no exact Q)
     try:
         # The keys task has 512 prompts at most.
         rows = (eval_set if cfg.mass_prompts == 0 else
@@ -48,8 +52,7 @@ def prompt_set(cfg, eval_set, train_set=None) -> list:
                                digits=cfg.digits))
     except ValueError as e:  # more than an arith split holds (few digits)
         fail(f"--mass_prompts {cfg.mass_prompts}: {e}")
-    # A set with another task's rows (e.g. --eval_task math:...) has no exact Q.
-    return rows if all(x["task"] in ("arith", "sets") for x in rows) else []
+    return rows
 
 
 def ids_batch(prompts: list, responses: list, dev, group=None) -> Batch:
@@ -87,22 +90,21 @@ def sequence_log_mass(model, prompts: list, responses: list, temperature: float,
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def exact_log_mass(model, tok, examples, temperature: float,
+def exact_log_mass(model, tok, examples, right_answers, temperature: float,
                    system_prompt: str = "") -> torch.Tensor:
-    """log Q(x) (P,) float64: the log-probability of each example's gold answer's tokens, then EOS;
-    for the sets task, of each of its right values (the gold's comma-separated list), summed."""
+    """log Q(x) (P,) float64: the log-probability of each of an example's right answers' tokens
+    (right_answers(example), its task's: data.Task), then EOS, summed over them (the gold alone on
+    arith, as on the keys task; each of its right values on sets)."""
     prompts = [encode_prompt(tok, x["prompt"], system_prompt) for x in examples]
-    if any(x["task"] == "sets" for x in examples):
-        values = [x["answer"].split(",") for x in examples]
-        owner = torch.tensor([i for i, v in enumerate(values) for _ in v])  # (rows,) its example
-        rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                for v in values for a in v]
-        logp = sequence_log_mass(model, [prompts[i] for i in owner.tolist()], rows,
-                                 temperature)  # (rows,)
-        return torch.stack([torch.logsumexp(logp[owner == i], 0) for i in range(len(examples))])
-    answers = [tok(x["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-               for x in examples]
-    return sequence_log_mass(model, prompts, answers, temperature)
+    values = [right_answers(x) for x in examples]
+    rows = [tok(a, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            for v in values for a in v]
+    if all(len(v) == 1 for v in values):  # one right answer each: its log-probability
+        return sequence_log_mass(model, prompts, rows, temperature)  # (P,)
+    owner = torch.tensor([i for i, v in enumerate(values) for _ in v])  # (rows,) its example
+    logp = sequence_log_mass(model, [prompts[i] for i in owner.tolist()], rows,
+                             temperature)  # (rows,)
+    return torch.stack([torch.logsumexp(logp[owner == i], 0) for i in range(len(examples))])
 
 
 def zone(log10_q: float, small_n: int, large_n: int) -> str:
@@ -125,7 +127,8 @@ def exact_mass(model, tok, examples, cfg) -> dict:
     none."""
     if not examples:
         return {}
-    log_q = exact_log_mass(model, tok, examples, cfg.temperature, cfg.system_prompt)  # (P,)
+    log_q = exact_log_mass(model, tok, examples, measured_task(cfg).right_answers,
+                           cfg.temperature, cfg.system_prompt)  # (P,)
     zones = zone_counts(log_q, cfg.gate_small_n, cfg.gate_large_n)
     return {"mass_exact_mean": log_q.exp().mean().item(),
             "mass_exact_log10_median": torch.quantile(log_q, 0.5).item() / math.log(10),

@@ -20,7 +20,7 @@ estimate is of tensor bytes; an allocator adds its fragmentation on top (a margi
     plan(model_config, cfg, prompt_tokens, world_size=1) -> {"rollout": [(item, bytes)], "update":
     [...]}; fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an
     error line; step_seconds(...): a roofline estimate of a step's time on one GPU.
-lib/setup.plan_memory prints a run's plan and fits its flags; tools/memcheck.py measures the
+lib/plan.plan_memory prints a run's plan and fits its flags; tools/memcheck.py measures the
 peaks, to check the estimate.
 """
 

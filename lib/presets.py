@@ -1,6 +1,7 @@
 """
 presets.py: the presets, `--preset NAME`: named bundles of overrides of brorl.py's Config, applied
-before the flags given (lib/config.parse_config), never a second source of defaults. --help lists
+before the flags given (lib/config.parse_config), never a second source of defaults. A task's own
+preset (keys, sets) is its entry's in data.TASKS: --task NAME and its overrides. --help lists
 their names; docs/running.md's presets table shows each (tests/test_docs.py holds it to this).
 """
 
@@ -11,15 +12,8 @@ import data
 PRESETS = {
     # the correct procedure is rare in the warm start (~3% of samples): where breadth should matter
     "hard": dict(model=str(data.EMBEDDED_MODEL_HARD)),
-    # the keys task (data.py): 512 prompts, each its own right value whose mass the warm start
-    # spread over decades; train = eval, every prompt scored and its exact Q logged
-    # (tools/breadth_study.py)
-    "keys": dict(model=str(data.EMBEDDED_MODEL_KEYS), task="keys", eval_prompts=512,
-                 eval_samples=16),
-    # the sets task (data.py): 256 prompts, each with 16 right values among the 900 of 100..999,
-    # each rare; train = eval; the whole answer distribution of 64 of them exact at every eval
-    "sets": dict(model=str(data.EMBEDDED_MODEL_SETS), task="sets", eval_prompts=256,
-                 eval_samples=16, answer_prompts=64, max_new_tokens=4),
+    # each task's own (data.TASKS): keys and sets, each on its warm start
+    **{name: dict(task=name, **t.preset) for name, t in data.TASKS.items() if t.preset},
     # A real pretrained model on this CPU (docs/results/smollm2.md): SmolLM2-135M-Instruct (an
     # alias, lib/pretrained.py) on two-digit additions in its chat template, a boxed answer for the
     # math verifier's rules (integers: Math-Verify's worker processes would only cost CPU time).

@@ -2,11 +2,10 @@
 setup.py: what a training run and --eval_only share before their first step: seeds, processes and
 device, Ctrl-C's one line, the verifier, the data (its training and held-out splits, each prompt
 checked against the model's context), the fixed eval set, the policy and its tokenizer, and the
-random stream of every evaluation. Also a run's plan (plan_memory: lib/planner.py's estimate
-printed, --max_rows and --micro_batch fitted to --memory_gb), and --plan: the plan of such a setup,
-loading no weights.
+random stream of every evaluation. A run's memory plan, and --plan's, are lib/plan.py's.
 """
 
+import ctypes
 import dataclasses
 import random
 import re
@@ -17,18 +16,31 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import data
 import verify
-from lib import distributed, planner, pretrained
+from lib import distributed
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
-from lib.policy import (compute_dtype, config_refusal, load_policy, pick_dtype,
-                        split_revision)
-from lib.rundir import surviving_checkpoint
+from lib.policy import load_policy, pick_dtype
 from sampler import encode_prompt
+
+
+def keep_freed_memory() -> bool:
+    """On a CPU under glibc, a freed block is kept for the next tensor instead of handed back to
+    the system: glibc returns a block over 32 MiB (and a heap top past its trim threshold) at each
+    free, and every page of the next tensor of that size then faults in again, zeroed by the
+    kernel. A step's (rows, vocabulary) temporaries made its log-prob passes cost 2-3x their
+    arithmetic on the 2-core CPU; SmolLM2's step in bf16 spends 15% less CPU time, at a lower
+    peak RSS (docs/results/smollm2.md). False where there is no glibc (nothing to tune)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    most = ctypes.c_int(2**31 - 1)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, most) and libc.mallopt(M_TRIM_THRESHOLD, most))
 
 
 def setup(cfg, policy: str, flag: str, with_train_set=True):
@@ -38,6 +50,8 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     device = distributed.setup(cfg.device)  # joins the process group when launched by torchrun
+    if device.type == "cpu":
+        keep_freed_memory()
     # The run records the verifier it used.
     cfg = dataclasses.replace(cfg, verifier=pick_verifier(cfg))
     train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed) if with_train_set else None
@@ -116,8 +130,11 @@ def pick_verifier(cfg) -> str:
     """--verifier auto: both (rules or Math-Verify, the paper's) on math when math-verify is
     installed."""
     try:
-        # keys is checked by the integer rule, as arith is.
-        return verify.choose_verifier("arith" if cfg.task == "keys" else cfg.task, cfg.verifier)
+        rule = data.task_of(cfg.task).rule  # the task's rule (data.TASKS): keys is arith's
+    except ValueError as e:
+        fail(f"--task {cfg.task}: {e}")
+    try:
+        return verify.choose_verifier(rule, cfg.verifier)
     except ImportError as e:
         fail(f"--verifier {cfg.verifier}: {e}")
 
@@ -131,14 +148,13 @@ def load_data(cfg, flag: str, task: str, split: str, seed: int) -> list:
     if not rows:
         fail(f"{flag} {task}: its {split} split is empty"
              + (" (name a held-out source: --eval_task)" * (split == "test")))
-    # A dataset's repeated rows would weigh twice (arith's problems are distinct by construction).
-    if task != "arith":
-        unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
-        if len(unique) < len(rows) and distributed.is_main():
-            tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of "
-                       f"{len(rows)} ({split} split)")
-        rows = unique
-    return rows
+    # A dataset's repeated rows would weigh twice (a generated task's are distinct by construction:
+    # none dropped).
+    unique = list({(r["prompt"], r["answer"]): r for r in rows}.values())
+    if len(unique) < len(rows) and distributed.is_main():
+        tqdm.write(f"{flag} {task}: dropped {len(rows) - len(unique)} duplicated rows of "
+                   f"{len(rows)} ({split} split)")
+    return unique
 
 
 def check_train_size(cfg, train_set: list):
@@ -289,58 +305,6 @@ def template_bounds(tok, system_prompt: str):
             special, 0 if byte_level and not tok.chat_template else 2)
 
 
-def eval_generator(device, seed: int, step: int) -> torch.Generator:
-    """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
-    evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
-    draws exactly what a run's evaluation at step 0 draws."""
-    seed63 = random.Random(f"eval-{seed}-{step}").getrandbits(63)
-    return torch.Generator(device=device).manual_seed(seed63)
-
-
-# ----------------------------------------------------------------------------
-# --plan
-
-
-def plan(cfg) -> list:
-    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
-    device, then per rank of 8 (torchrun)."""
-    name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
-    device = distributed.pick_device(cfg.device)
-    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
-    if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
-        name = str(checkpoint_dir(name, "--model"))
-    name, revision = split_revision(pretrained.resolve(name))  # an alias: its folder
-    from huggingface_hub.errors import StrictDataclassError  # (transformers' config validation)
-    try:
-        model_config = AutoConfig.from_pretrained(name, revision=revision)
-        tok = AutoTokenizer.from_pretrained(name, revision=revision)
-    except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
-        fail(f"--model {name}: its config.json is refused by transformers ({config_refusal(e)})")
-    except (OSError, ValueError) as e:
-        fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
-    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
-                                     cfg.max_new_tokens, tok, positions)
-    # The held-out prompts too, as setup() measures them: the run plans for the longest of both.
-    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
-                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
-    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
-    longest = max(longest, fit_context(cfg, held_out, f"{source}: held-out",
-                                       max(cfg.max_new_tokens, cfg.eval_max_new_tokens), tok,
-                                       positions)[1])
-    plan_k = lambda **k: plan_memory(cfg, model_config, tok, train_set, device,
-                                             report_only=True, prompt_tokens=longest, **k)
-    plan_k()
-    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
-        print()
-        plan_k(world_size=8)
-    return []
-
-
-# ----------------------------------------------------------------------------
-# A run's plan: printed before its first step, its max_rows and micro_batch fitted
-
-
 def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
     """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with
     no chat template one batched call, the same ids."""
@@ -350,33 +314,9 @@ def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
     return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
 
 
-def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False,
-                prompt_tokens=None):
-    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
-    --memory_gb; stop with one line naming what to lower when even one row does not fit
-    (report_only, for --plan: say so and print the plan of one row). world_size: the K to plan for
-    (default: this run's). prompt_tokens: the longest prompt (default: the training set's, every row
-    measured)."""
-    prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
-    cfg = dataclasses.replace(cfg, dtype=pick_dtype(cfg, device, model_config)[0])
-    memory = cfg.memory_gb * planner.GB or planner.default_memory_bytes(device)
-    K = world_size or distributed.world_size()  # the figures are one rank's
-    say = print if distributed.is_main() else (lambda line: None)
-    fitted = planner.fit(model_config, cfg, prompt_tokens, memory, K)
-    if isinstance(fitted, str) and not report_only:
-        fail(fitted)
-    if isinstance(fitted, str):  # the plan of one row a micro-batch, as many rows decoded as fit
-        say(f"does not fit on {K} device(s): {fitted}")
-        fitted = (planner.fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
-    if fitted != (cfg.max_rows, cfg.micro_batch):
-        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, "
-            f"--micro_batch {cfg.micro_batch} -> {fitted[1]} to fit {memory / planner.GB:.1f} GB")
-        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
-    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, "
-        f"{compute_dtype(cfg, device)}):")
-    say(planner.format_plan(planner.plan(model_config, cfg, prompt_tokens, K), memory))
-    t = planner.step_seconds(model_config, cfg, prompt_tokens, world_size=K)
-    gpus = planner.H100["name"] if K == 1 else f"{K} x {planner.H100['name']}, ideal scaling"
-    say(f"time per step on {gpus} (roofline estimate, step_seconds; not measured): "
-        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
-    return cfg
+def eval_generator(device, seed: int, step: int) -> torch.Generator:
+    """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
+    evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
+    draws exactly what a run's evaluation at step 0 draws."""
+    seed63 = random.Random(f"eval-{seed}-{step}").getrandbits(63)
+    return torch.Generator(device=device).manual_seed(seed63)

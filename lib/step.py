@@ -123,7 +123,7 @@ class StepStats:
     rounds: int = 0  # sampling rounds
     rewards: list = field(default_factory=list)  # each generated group's rewards (n_j,)
     tokens: int = 0  # response tokens generated
-    sampled_right: list = None  # keys, sets (data.TRAIN_IS_EVAL): the prompts sampled right
+    sampled_right: list = None  # keys, sets (train_is_eval, data.TASKS): the prompts sampled right
     alloc: "AllocStats" = None  # --alloc adaptive's statistics (lib/allocation.py); else None
     # --mass_balance, on its steps: the kept groups' answer distributions before the update.
     balance_before: "Snapshot" = None
@@ -136,7 +136,7 @@ class StepStats:
         self.groups_generated += len(groups)
         self.rewards += [g.rewards for g in groups]
         self.tokens += int(sum(g.lengths.sum() for g in groups))
-        if task in data.TRAIN_IS_EVAL:
+        if data.task_of(task).train_is_eval:
             right = [g.example["prompt"] for g in groups if g.rewards.max() > 0]
             self.sampled_right = (self.sampled_right or []) + right
 

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, config, harness, samples, setup
+from lib import checkpoint, config, harness, plan, samples, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -465,11 +465,10 @@ def gsm8k_set(path: Path, train: int, test: int = 0, long: int = 0) -> str:
     """--task of a gsm8k file holding `train` rows of the training split and `test` of the held-out
     one (data.split_of decides each by its text), and `long` more training rows of ~5,200
     characters."""
-    from lib import tasks
     rows, want = {"train": [], "test": []}, {"train": train, "test": test}
     for a in range(100, 10_000):
         q = f"{a}+7=" if a < 9_000 else f"{a}+" + "7" * 5_200 + "="  # (the long ones last)
-        split = data.split_of(f"{q} {tasks.MATH_SUFFIX}")
+        split = data.split_of(f"{q} {data.MATH_SUFFIX}")
         if len(rows[split]) < want[split] + (long if split == "train" and a >= 9_000 else 0):
             if a < 9_000 or split == "train":
                 rows[split].append(dict(question=q, answer=f"#### {a + 7}"))
@@ -575,7 +574,7 @@ def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     rows = [dict(prompt=f"{i}+{i}=") for i in range(2000)] + [dict(prompt="1" * 300)]
     tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
     model_config = AutoConfig.from_pretrained(data.EMBEDDED_MODEL)
-    setup.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
+    plan.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
                       report_only=True)
     assert "prompts up to 300 tokens" in capsys.readouterr().out
 
@@ -589,7 +588,7 @@ def test_plan_measures_the_held_out_prompts_as_the_run_does(tmp_path, capsys):
                             for q in ("1+0=", "2" * 3000 + "+1=")))
     flags = ["--task", gsm8k_set(tmp_path / "train.jsonl", 8), "--eval_task", f"gsm8k:{held}",
              "--long_prompts", "allow", "--memory_gb", "8"]
-    setup.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
+    plan.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
     planned = capsys.readouterr().out
     brorl.train(brorl.parse_config([*TINY, *flags, "--steps", "0", "--out", str(tmp_path / "r")]))
     run = capsys.readouterr().out

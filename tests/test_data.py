@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import data
-from lib import tasks
 
 
 # ----------------------------------------------------------------------------
@@ -132,12 +131,12 @@ def test_warm_start_is_reproducible(tmp_path):
 
 
 def test_load_math_sample():
-    rows = tasks.load(f"math:{data.MATH_SAMPLE}")
+    rows = data.load_task(f"math:{data.MATH_SAMPLE}", "all")
     assert len(rows) == 16 and all(r["task"] == "math" and r["answer"] for r in rows)
     train, test = (data.load_task(f"math:{data.MATH_SAMPLE}", s) for s in ("train", "test"))
     assert len(train) + len(test) == 16 and test and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
-    assert all(r["prompt"].endswith(" " + tasks.MATH_SUFFIX) for r in rows)
-    assert tasks.MATH_SUFFIX == "Let's think step by step and output the final answer within \\boxed{}."
+    assert all(r["prompt"].endswith(" " + data.MATH_SUFFIX) for r in rows)
+    assert data.MATH_SUFFIX == "Let's think step by step and output the final answer within \\boxed{}."
     some = data.load_task(f"math:{data.MATH_SAMPLE}", "all", n=4, seed=1)
     assert some == data.load_task(f"math:{data.MATH_SAMPLE}", "all", n=4, seed=1) and len(some) == 4
     assert {"\\frac{1}{6}", "8\\sqrt{2}", "(3, 2)", "-i"} <= {r["answer"] for r in rows}  # answer kinds
@@ -156,14 +155,14 @@ def test_load_math_bad_rows_name_file_and_row(tmp_path, lines, match):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=re.escape(str(path)) + ".*" + match):
-        tasks.load(f"math:{path}")
+        data.load_task(f"math:{path}", "all")
 
 
 def test_load_math_json_array_and_missing_file(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": None}]))
     with pytest.raises(ValueError, match=r"rows.json: row 2: 'answer' is null"):
-        tasks.load(f"math:{path}")
+        data.load_task(f"math:{path}", "all")
     with pytest.raises(ValueError, match="no such file"):
         data.load_task(f"math:{tmp_path / 'absent.jsonl'}", "train")
 

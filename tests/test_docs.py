@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "docs/results"  # the results book: one page a question, an index, an archive
 DOCS = ["README.md", "docs/paper.md", "docs/running.md",
         *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / RESULTS).glob("*.md"))]
-MODULES = ("brorl", "sampler", "kernels", "verify", "data", "tasks", "harness", "rundir", "steplog",
+MODULES = ("brorl", "sampler", "kernels", "verify", "data", "harness", "rundir", "steplog",
            "checkpoint", "setup", "evalonly", "massbalance", "bench", "objectives", "policy", "config",
            "diagnostics", "allocation", "distributed", "planner", "balance", "step", "checks",
            "presets", "errors")
@@ -943,8 +943,11 @@ def test_the_harder_models_share_is_its_warm_starts():
 
 def test_lists_of_the_embedded_tasks_name_them_all():
     """A list of the embedded tasks in prose ("arith, keys and sets") names every one data.py
-    builds, or exactly those whose training set is their eval set (data.TRAIN_IS_EVAL)."""
-    tasks, same = {"arith", *data.TRAIN_IS_EVAL}, set(data.TRAIN_IS_EVAL)
+    builds (a task of data.TASKS without a source), or exactly those whose training set is their
+    eval set."""
+    tasks = {name for name, t in data.TASKS.items() if not t.source}
+    same = {name for name, t in data.TASKS.items() if t.train_is_eval}
+    assert tasks == {"arith", "keys", "sets"} and same == {"keys", "sets"}
     names = "|".join(sorted(tasks))
     listed = re.compile(rf"\b(?:{names})\b(?:(?:,| or| and|, or|, and) (?:the )?(?:{names})\b)+")
     code = [*ROOT.glob("lib/*.py"), *ROOT.glob("tools/*.py")]
@@ -953,6 +956,28 @@ def test_lists_of_the_embedded_tasks_name_them_all():
              for m in listed.finditer(" ".join((ROOT / f).read_text().split()))
              if set(re.findall(names, m[0])) not in (tasks, same)]
     assert found == []
+
+
+def imported_roots(path: Path) -> set:
+    """The top-level names of the modules a Python file imports (lib of `from lib import x`)."""
+    import ast
+    tree = ast.parse(path.read_text())
+    return ({a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            | {n.module.split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) and n.module and not n.level})
+
+
+def test_the_design_files_import_nothing_of_lib():
+    """The top level is the design's, lib/ the machinery beneath brorl.py (STYLE.md, the house):
+    sampler.py, kernels.py, verify.py and data.py import nothing of lib/ (nor tools/), and
+    kernels.py, verify.py and data.py nothing of ours at all. Arrows point down only."""
+    ours = {p.stem for p in ROOT.glob("*.py")} | {"lib", "tools"}
+    imports = {name: imported_roots(ROOT / f"{name}.py")
+               for name in ("sampler", "kernels", "verify", "data")}
+    assert {name: got & {"lib", "tools"} for name, got in imports.items()} == dict.fromkeys(imports, set())
+    assert {name: got & ours for name, got in imports.items() if name != "sampler"} == dict.fromkeys(
+        ("kernels", "verify", "data"), set())
+    assert "lib" in imported_roots(ROOT / "brorl.py") and "kernels" in imports["sampler"]  # it sees them
 
 
 def prose_problems(root: Path) -> list:
@@ -1347,5 +1372,30 @@ def test_the_smollm2_bf16_figures_are_the_raw_files():
     assert f"rerun of seed 0 ended at {beside[-1]['eval_pass@1']:.3f}" in flat
     wall = lambda r: sum(x.get("time_rollout", 0) + x.get("time_update", 0) for x in r)
     ratio = float(cpu(b0)) / float(cpu(beside))
-    assert f"{cpu(b0)} against {cpu(beside)} CPU s" in flat
-    assert f"**{ratio:.2f}x** (wall {wall(b0) / wall(beside):.2f}x)" in page
+    archive = " ".join((ROOT / RESULTS / "archive.md").read_text().split())
+    assert f"{cpu(b0)} against {cpu(beside)} CPU s a step, **{ratio:.2f}x** (wall " \
+           f"{wall(b0) / wall(beside):.2f}x)" in archive
+    # the pair at 5e6132c: CPU a step, the phases' wall ratios, and the floors' bound
+    pb, pf = rows("pair-bf16-seed0.jsonl"), rows("pair-fp32-seed0.jsonl")
+    phase = lambda r, k: sum(x.get(k, 0) for x in r)
+    assert (f"{cpu(pb)} against {cpu(pf)} CPU s a step, **{float(cpu(pb)) / float(cpu(pf)):.2f}x** "
+            f"(rollout {phase(pb, 'time_rollout') / phase(pf, 'time_rollout'):.2f}x, update "
+            f"{phase(pb, 'time_update') / phase(pf, 'time_update'):.2f}x)") in flat
+    floors = {}
+    for line in (raw / "pair-floors.txt").read_text().splitlines()[1:]:
+        dtype, rate = line.split()
+        floors[dtype] = max(floors.get(dtype, 0), float(rate))
+    f32, b16 = floors["torch.float32"], floors["torch.bfloat16"]
+    assert (f"{f32:.1f} GFLOP/s in fp32 and {b16:.1f} in bf16 (`pair-floors.txt`), {b16 / f32:.1f}x, "
+            f"so a step of matmuls alone at the floor would cost {f32 / b16:.2f}x") in flat
+    assert [x["eval_pass@1"] for x in pb if "eval_pass@1" in x] == [
+        x["eval_pass@1"] for x in b0 if "eval_pass@1" in x]  # its seed's run to the bit
+    # freed memory kept: the runs' training CPU, and /usr/bin/time's system time and peak RSS
+    keep = {n: (rows(f"keep-freed-memory/{n}.jsonl")[-1]["time_train_cpu"], dict(
+        line.strip().rsplit(": ", 1) for line in
+        (raw / "keep-freed-memory" / f"{n}-time.txt").read_text().splitlines())) for n in ("on", "off")}
+    (on, t_on), (off, t_off) = keep["on"], keep["off"]
+    gb = lambda t: int(t["Maximum resident set size (kbytes)"]) / 1e6
+    assert (f"{on:.1f} against {off:.1f} CPU s, system {float(t_on['System time (seconds)']):.1f} "
+            f"against {float(t_off['System time (seconds)']):.1f} s, peak RSS {gb(t_on):.2f} against "
+            f"{gb(t_off):.2f} GB") in flat

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import brorl
 import data
 import sampler
-from lib import logprobs, planner, policy, setup, step
+from lib import logprobs, plan, planner, policy, step
 from test_brorl import run_in_process
 
 # The families, each a config class and what sets it apart from the common shape. Gemma keeps its
@@ -215,5 +215,5 @@ def test_a_config_transformers_refuses_is_one_line(tmp_path, capsys, edit, reaso
     assert code == 2 and err.strip().splitlines() == [line], err[-2000:]
     assert not (tmp_path / "run").exists()
     with pytest.raises(SystemExit) as e:
-        setup.plan(brorl.parse_config(["--model", str(path), "--plan"]))
+        plan.plan(brorl.parse_config(["--model", str(path), "--plan"]))
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [line]

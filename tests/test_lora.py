@@ -10,7 +10,7 @@ import torch
 
 import brorl
 import data
-from lib import logprobs, lora, planner, policy, setup
+from lib import logprobs, lora, plan, planner, policy
 
 SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2", "--eval_samples", "2",
          "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256", "--lora_rank", "4", "--lr", "2e-3"]
@@ -109,10 +109,10 @@ def test_plan_7b_fits_80gb_with_lora_and_not_without(tmp_path, capsys):
     args = ["--plan", "--model", str(model), "--memory_gb", "80", "--n_rollouts", "64", "--prompts_per_step", "4",
             "--max_new_tokens", "1024", "--grad_ckpt", "1", "--dtype", "bfloat16", "--device", "cpu"]
     one_gpu = lambda out: out.split("memory plan per rank (8 process(es)")[0]  # --plan: one GPU, then 8 ranks
-    setup.plan(brorl.parse_config(args))
+    plan.plan(brorl.parse_config(args))
     printed = one_gpu(capsys.readouterr().out)
     assert "does not fit on 1 device(s)" in printed and "needs" in printed  # the line names what is short
-    setup.plan(brorl.parse_config([*args, "--lora_rank", "16"]))
+    plan.plan(brorl.parse_config([*args, "--lora_rank", "16"]))
     printed = one_gpu(capsys.readouterr().out)
     assert "does not fit" not in printed and "LoRA adapter" in printed and "update peak" in printed
     mc = json.loads((model / "config.json").read_text())

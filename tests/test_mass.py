@@ -39,7 +39,7 @@ def test_exact_mass_equals_the_full_logits(arith, temperature):
     model, tok = arith
     examples = data.load_task("arith", "test", n=5, digits=3) + data.load_task("arith", "test", n=3, digits=2)
     examples.append(dict(prompt="999+999=", answer="1998", task="arith"))
-    got = mass.exact_log_mass(model, tok, examples, temperature)
+    got = mass.exact_log_mass(model, tok, examples, data.the_gold, temperature)
     want = full_logits_log_mass(model, tok, examples, temperature)
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got, want)  # float32 per token, ~5 tokens
 
@@ -81,7 +81,7 @@ def test_exact_mass_matches_the_sampled_rate(arith):
     error: 4,096 samples a prompt, |rate - Q| < 4.5 standard errors for each of 6 prompts."""
     model, tok = arith
     examples = data.load_task("arith", "test", n=6, digits=3, seed=3)
-    q = mass.exact_log_mass(model, tok, examples, 1.0).exp()  # (6,)
+    q = mass.exact_log_mass(model, tok, examples, data.the_gold, 1.0).exp()  # (6,)
     n = 4096
     seeds = [12345 + i for i in range(len(examples))]
     ro = generate(model, tok, [x["prompt"] for x in examples], n, 6, 1.0, 1.0, 4096, seeds)
@@ -105,8 +105,8 @@ def test_prompt_set():
     """The eval set, or --mass_prompts training problems drawn by --eval_seed alone (not --seed: runs of every
     seed pair prompt by prompt); nothing where a prompt has no canonical answer."""
     from types import SimpleNamespace as NS
-    cfg = lambda **kw: NS(**{**dict(task="arith", mass_prompts=0, train_prompts=0, eval_seed=0,
-                                                digits=3), **kw})
+    cfg = lambda **kw: NS(**{**dict(task="arith", eval_task="", mass_prompts=0, train_prompts=0,
+                                    eval_seed=0, digits=3), **kw})
     evals = data.load_task("arith", "test", n=4)
     assert mass.prompt_set(cfg(), evals) == evals
     got = mass.prompt_set(cfg(mass_prompts=50), evals)
@@ -114,7 +114,10 @@ def test_prompt_set():
     assert got == mass.prompt_set(cfg(mass_prompts=50), evals) != mass.prompt_set(cfg(mass_prompts=50, eval_seed=1), evals)
     assert len(mass.prompt_set(cfg(task="keys", mass_prompts=2000), evals)) == 512  # all of them
     assert mass.prompt_set(cfg(task="math:x.jsonl"), evals) == []
-    assert mass.prompt_set(cfg(), [dict(prompt="p", answer="\\frac{1}{2}", task="math")]) == []  # --eval_task math:
+    math_rows = [dict(prompt="p", answer="\\frac{1}{2}", task="math")]
+    assert mass.prompt_set(cfg(eval_task="math:x.jsonl"), math_rows) == []  # the eval set's task has none
+    assert len(mass.prompt_set(cfg(eval_task="math:x.jsonl", mass_prompts=5), math_rows)) == 5  # arith's own
+    assert mass.prompt_set(cfg(task="math:x.jsonl", eval_task="arith"), evals) == []  # as before: --task's too
     with pytest.raises(SystemExit):  # more than a 1-digit split holds: one line
         mass.prompt_set(cfg(mass_prompts=1000, digits=1), evals)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import checks, logprobs, setup, step
+from lib import checks, logprobs, plan, setup, step
 import data
 import sampler
 import verify
@@ -287,7 +287,7 @@ def test_model_revision_is_split_from_a_hub_id(tmp_path):
 
 def test_paper_plan_runs_offline_from_a_config_only_model(tmp_path, capsys):
     model = paper_shaped_model(tmp_path)
-    setup.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
+    plan.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
                                      "--memory_gb", "72", "--dtype", "bfloat16", "--plan"]))
     out = capsys.readouterr().out
     assert "memory plan per rank (1 process(es)" in out and "time per step on one H100" in out  # one GPU

@@ -60,6 +60,34 @@ def test_verdicts(level, verdict):
     assert srs.plateau_test(rows(flat(level, 10), flat(0.5, 10)))["verdict"] == verdict
 
 
+def test_at_the_cap_the_branch_says_no_plateau_and_judges_the_windows_mean():
+    """The cap's record (fixed at step 200): plateau False, verdict "cap" unless the window's mean
+    held-out pass@1, not its last evaluation, is a saturation or a wall."""
+    rising = [0.3 + 0.02 * i for i in range(31)]  # 0.2 a 100 steps: never a plateau
+    r = rows(rising, flat(0.5, 31))
+    record = srs.cap_record(srs.plateau_test(r), r)
+    assert (record["step"], record["plateau"], record["verdict"]) == (300, False, "cap")
+    assert record["window_pass1_mean"] == pytest.approx(statistics.fmean(rising[-6:]))
+    # the last evaluation at 0.96 in a window whose mean is 0.93: not a saturation
+    last_high = [0.93, 0.92, 0.93, 0.92, 0.92, 0.96]
+    assert srs.cap_record({}, rows(last_high, flat(0.5, 6)))["verdict"] == "cap"
+    high = [0.96, 0.95, 0.97, 0.96, 0.95, 0.94]
+    assert srs.cap_record({}, rows(high, flat(0.5, 6)))["verdict"] == "saturated"
+    assert srs.cap_record({}, rows(flat(0.03, 6), flat(0.5, 6)))["verdict"] == "wall"
+
+
+@pytest.mark.parametrize("verdict", ["saturated", "wall"])
+def test_a_saturated_or_walled_trunk_runs_no_census(tmp_path, capsys, verdict):
+    raw = tmp_path / "raw"
+    (raw / "trunk").mkdir(parents=True)
+    (raw / "trunk" / "plateau.json").write_text(json.dumps(
+        dict(step=300, pass1={}, mass={}, plateau=False, verdict=verdict)))
+    with pytest.raises(SystemExit):
+        srs.main(["--only", "census", "--out", str(tmp_path / "out"), "--raw", str(raw)])
+    assert f"verdict is {verdict}; the task is made harder" in capsys.readouterr().err
+    assert not (raw / "census-plateau" / "census.jsonl").exists()
+
+
 def test_go_counts_prompts_resolved_inside_the_reach():
     # Q = 8/512 = 1/64: its interval [0.0068, 0.031] lies in [1/512, 1/16)
     inside = {"right": 8, "samples": 512}

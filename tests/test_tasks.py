@@ -1,6 +1,8 @@
-"""Real datasets by schema (tasks.py, data.load_task), prompts as a model sees them, --eval_only,
-the evaluation's own random stream, and the verifier on the families real model outputs use."""
+"""The table of tasks (data.TASKS: a task is one entry), real datasets by schema (data.load_task),
+prompts as a model sees them, --eval_only, the evaluation's own random stream, and the verifier on
+the families real model outputs use."""
 
+import ast
 import json
 import os
 import re
@@ -16,7 +18,7 @@ import pytest
 import brorl
 import data
 import sampler
-from lib import setup, tasks
+from lib import answers, checks, mass, setup
 import verify
 
 GSM8K = [  # GSM8K's own schema: a worked answer ending in "#### <number>"
@@ -39,6 +41,125 @@ def write_jsonl(path, rows):
 
 
 # ----------------------------------------------------------------------------
+# the table of tasks: a task added in one place, read by every part that reads a task
+
+
+def doubling_task(calls=None, **fields):
+    """A made-up task, built here alone: "a+a=" for a in 100..399, the gold 2a, scored by the
+    integer rule; a in 100, 110, ... held out. `calls` collects the splits its loader is asked."""
+    def load(source, split, n, seed, digits):
+        if calls is not None:
+            calls.append(split)
+        rows = [dict(prompt=f"{a}+{a}=", answer=str(2 * a), task="arith")
+                for a in range(100, 400) if split == "all" or (a % 10 == 0) == (split == "test")]
+        return rows if n is None else rows[:n]
+    return data.Task(load, "arith", **fields)
+
+
+def refusal(capsys, argv) -> str:
+    """The one line brorl's command line refuses argv with (exit status 2)."""
+    with pytest.raises(SystemExit) as e:
+        brorl.parse_config(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    return err
+
+
+def test_a_task_absent_from_the_table_is_refused_in_one_line(capsys):
+    choices = "choose arith, keys, sets, gsm8k:<source> or math:<source>"
+    for argv in (["--task", "doubling"], ["--eval_task", "doubling"]):
+        assert refusal(capsys, argv).startswith(f"error: {argv[0]} doubling: unknown task "
+                                                f"'doubling': {choices}")
+    for name in ("arith:x.jsonl", "math:", "gsm8k", "Arith"):  # a source only where one is read
+        assert f"--task {name}: unknown task" in refusal(capsys, ["--task", name])
+    with pytest.raises(ValueError, match="unknown task 'doubling'"):
+        data.load_task("doubling", "train")
+
+
+def test_every_reader_of_a_task_reads_its_entry(monkeypatch, capsys):
+    """One entry registered, nothing else: the loader, the help, the checks, the verifier's rule,
+    the exact Q's right answers and the answer space are the entry's; a field left out (None,
+    False) is refused or skipped where it is read, naming the tasks that have it."""
+    space = [str(v) for v in range(200, 800, 2)]
+    monkeypatch.setitem(data.TASKS, "doubling", doubling_task(
+        train_is_eval=True, right_answers=data.the_gold, answer_space=lambda: space))
+    assert data.load_task("doubling", "test", n=2) == [
+        dict(prompt="100+100=", answer="200", task="arith"),
+        dict(prompt="110+110=", answer="220", task="arith")]
+    assert "or doubling" in data.task_names() and brorl.parse_config(["--task", "doubling"])
+    cfg = brorl.Config(task="doubling", train_prompts=2, answer_prompts=2, eval_prompts=4)
+    assert checks.check_config(cfg) == "" and setup.pick_verifier(cfg) == "rules"
+    assert answers.space("doubling") == space
+    evals = data.load_task("doubling", "test")
+    assert mass.prompt_set(cfg, evals) == evals
+    # The same name without those fields: each reader says which tasks have what it needs.
+    monkeypatch.setitem(data.TASKS, "doubling", doubling_task())
+    assert checks.check_config(cfg) == (
+        "--train_prompts 2: needs a task whose training set is its eval set (keys, sets), "
+        "not --task doubling")
+    assert checks.check_config(brorl.Config(task="doubling", answer_prompts=2)).startswith(
+        "--answer_prompts 2: the whole answer distribution needs --task sets (")
+    assert answers.space("doubling") == [] and mass.prompt_set(cfg, evals) == []
+
+
+@pytest.mark.slow
+def test_a_task_added_in_one_place_trains(tmp_path, monkeypatch, capsys):
+    """A made-up task is refused before it is in the table; added (one entry, here alone), a run
+    trains on its prompts, is evaluated on its held-out ones and logs their exact Q."""
+    argv = ["--task", "doubling", "--steps", "2", "--eval_every", "2", "--sample_groups", "1",
+            "--out", str(tmp_path), *TINY]
+    assert "--task doubling: unknown task" in refusal(capsys, argv)
+    calls = []
+    monkeypatch.setitem(data.TASKS, "doubling", doubling_task(calls, right_answers=data.the_gold))
+    rows = brorl.train(brorl.parse_config(argv))
+    assert [r["step"] for r in rows] == [0, 1, 2] and sorted(set(calls)) == ["test", "train"]
+    assert json.loads((tmp_path / "config.json").read_text())["task"] == "doubling"
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    prompts = {x["prompt"]: x["answer"] for x in data.load_task("doubling", "all")}
+    trained, evaluated = ({x["prompt"] for x in samples if x["kind"] == kind}
+                          for kind in ("train", "eval"))
+    held_out = {x["prompt"] for x in data.load_task("doubling", "test")}
+    assert trained and trained <= set(prompts) - held_out and evaluated and evaluated <= held_out
+    assert all(prompts[x["prompt"]] == x["answer"] for x in samples if x["kind"] == "eval")
+    # The exact Q of the eval prompts, from the entry's right answers.
+    assert set(rows[0]["mass_exact_prompts"]) == evaluated and rows[2]["mass_exact_mean"] > 0
+
+
+def branches_on_a_task_name(path: Path) -> list:
+    """(line, code) of each comparison in path with a task's name (==, !=, in, a tuple of names)
+    and each startswith/endswith of one: a branch on a task that its entry should hold."""
+    names = set(data.TASKS)
+
+    def named(node) -> bool:
+        elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return any(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                   and e.value.split(":")[0] in names for e in elts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare) and any(map(named, [node.left, *node.comparators])):
+            found.append((node.lineno, ast.unparse(node)))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("startswith", "endswith") and any(map(named, node.args))):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_task_name_is_branched_on_outside_the_table():
+    """No code but the tests compares a value with a task's name: what a task changes is a field
+    of its entry (data.TASKS), read where it counts. verify.py is apart: its comparisons are of its
+    own rules (verify.TASKS: arith, sets, math), which an entry names as its `rule`."""
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "*.py"], cwd=root, capture_output=True, text=True, check=True)
+    files = [f for f in listed.stdout.split() if (root / f).is_file()
+             and not f.startswith("tests/") and f not in ("test_brorl.py", "verify.py")]
+    assert "data.py" in files and "lib/mass.py" in files
+    found = [(f, *hit) for f in files for hit in branches_on_a_task_name(root / f)]
+    assert found == []
+    assert branches_on_a_task_name(root / "verify.py")  # the check sees a branch where one is
+
+
+# ----------------------------------------------------------------------------
 # schemas and sources
 
 
@@ -46,7 +167,7 @@ def test_gsm8k_gold_is_the_final_number_alone(tmp_path):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
     rows = data.load_task(f"gsm8k:{path}", "all")
     assert [r["answer"] for r in rows] == ["7029", "2.5", "-5", "132"]
-    assert rows[0]["prompt"] == GSM8K[0]["question"] + " " + tasks.MATH_SUFFIX and rows[0]["task"] == "math"
+    assert rows[0]["prompt"] == GSM8K[0]["question"] + " " + data.MATH_SUFFIX and rows[0]["task"] == "math"
     train, test = data.load_task(f"gsm8k:{path}", "train"), data.load_task(f"gsm8k:{path}", "test")
     assert sorted(map(str, train + test)) == sorted(map(str, rows))  # the hash split partitions the rows
 
@@ -54,7 +175,7 @@ def test_gsm8k_gold_is_the_final_number_alone(tmp_path):
 def test_math_gold_from_answer_or_the_solutions_last_box(tmp_path):
     rows = data.load_task(f"math:{write_jsonl(tmp_path / 'math.jsonl', MATH)}", "all")
     assert [r["answer"] for r in rows] == ["\\frac{5}{6}", "-3", "\\left(1, \\{2\\}\\right)", "204"]
-    assert all(r["prompt"].endswith(" " + tasks.MATH_SUFFIX) for r in rows)
+    assert all(r["prompt"].endswith(" " + data.MATH_SUFFIX) for r in rows)
     # the gold reads as the verifier reads a model's answer: the same last box
     for row, ex in zip(MATH, rows):
         if row.get("solution"):
@@ -62,11 +183,11 @@ def test_math_gold_from_answer_or_the_solutions_last_box(tmp_path):
 
 
 def test_deepscaler_sample_and_json_array(tmp_path):
-    rows = tasks.load(f"math:{data.MATH_SAMPLE}")  # DeepScaleR's schema is the math schema
+    rows = data.load_task(f"math:{data.MATH_SAMPLE}", "all")  # DeepScaleR's schema is the math schema
     assert len(rows) == 16
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(GSM8K))
-    assert [r["answer"] for r in tasks.load(f"gsm8k:{path}")] == ["7029", "2.5", "-5", "132"]
+    assert [r["answer"] for r in data.load_task(f"gsm8k:{path}", "all")] == ["7029", "2.5", "-5", "132"]
 
 
 def test_parquet_through_datasets(tmp_path):
@@ -76,16 +197,16 @@ def test_parquet_through_datasets(tmp_path):
                                 for i in range(7)]).to_parquet(str(path))
     rows = data.load_task(f"math:{path}", "all")
     assert [r["answer"] for r in rows] == [str(2 * i) for i in range(7)]
-    assert rows[3]["prompt"] == f"What is 3+3? {tasks.MATH_SUFFIX}"
+    assert rows[3]["prompt"] == f"What is 3+3? {data.MATH_SUFFIX}"
 
 
 def test_hub_source_spec_is_parsed(monkeypatch):
     datasets = pytest.importorskip("datasets", reason="the datasets package is not installed (requirements.txt has it)")
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [{"problem": "p", "answer": "1"}])
-    tasks.load("math:HuggingFaceH4/MATH-500@test")
-    tasks.load("math:org/set:cfg")
-    tasks.load("math:openai/gsm8k:main@test")
+    data.load_task("math:HuggingFaceH4/MATH-500@test", "all")
+    data.load_task("math:org/set:cfg", "all")
+    data.load_task("math:openai/gsm8k:main@test", "all")
     assert calls == [(("HuggingFaceH4/MATH-500", None), {"split": "test"}), (("org/set", "cfg"), {"split": "train"}),
                      (("openai/gsm8k", "main"), {"split": "test"})]
 
@@ -111,7 +232,7 @@ def test_a_file_that_is_not_utf8_names_the_line(tmp_path):
     lines = [json.dumps(r) for r in MATH[:2]] + ['{"problem": "caf\u00e9?", "answer": "1"}']
     path.write_bytes("\n".join(lines[:2]).encode() + b"\n" + lines[2].encode("latin-1") + b"\n")
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": line 3 is not UTF-8"):
-        tasks.load(f"math:{path}")
+        data.load_task(f"math:{path}", "all")
 
 
 @pytest.mark.parametrize("task, split, match", [
@@ -133,7 +254,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 def test_prompt_text_with_and_without_a_chat_template():
     tok = data.build_tokenizer()  # the embedded byte-level tokenizer: one token per character
-    prompt = tasks.load(f"math:{data.MATH_SAMPLE}")[0]["prompt"]
+    prompt = data.load_task(f"math:{data.MATH_SAMPLE}", "all")[0]["prompt"]
     ids = sampler.encode_prompt(tok, prompt)
     assert tok.decode(ids) == prompt  # no template: the problem and ProRL's suffix, nothing else
     with pytest.raises(ValueError, match="chat template"):
@@ -276,7 +397,7 @@ def test_without_datasets_a_parquet_file_or_hub_dataset_says_what_to_install(mon
     path.write_bytes(b"PAR1")
     for source in (str(path), "HuggingFaceH4/MATH-500@test"):
         with pytest.raises(ValueError, match=r"needs the datasets package: pip install datasets") as e:
-            tasks.load(f"math:{source}")
+            data.load_task(f"math:{source}", "all")
         assert str(e.value).startswith(source) and "\n" not in str(e.value)
     with pytest.raises(SystemExit):
         setup.load_data(brorl.Config(), "--task", f"math:{path}", "train", 0)

@@ -819,7 +819,7 @@ def main(argv=None):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name} {getattr(args, name)}: need >= 1")
     if not args.model and not args.child:
-        for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != "arith"),
+        for flag, given in (("--ns", args.ns), ("--new", args.new), ("--task", args.task != ap.get_default("task")),
                             ("--step_ns", args.step_ns)):
             if given:
                 ap.error(f"{flag}: only with --model (the bench model's sizes are fixed: SIZES)")

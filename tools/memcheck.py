@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import brorl
 import data
 import sampler
-from lib import distributed, lora, planner, policy, setup, step
+from lib import distributed, lora, plan, planner, policy, setup, step
 
 
 def existing_tensors(model, ref_model, opt, batch=None) -> list:
@@ -114,7 +114,7 @@ def check(cfg) -> dict:
     model, tok = policy.load_policy(cfg.model, device)
     if cfg.grad_ckpt:
         policy.enable_grad_ckpt(model)
-    cfg = setup.plan_memory(cfg, model.config, tok, train_set, device)
+    cfg = plan.plan_memory(cfg, model.config, tok, train_set, device)
     cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
     prompt_tokens = max(len(sampler.encode_prompt(tok, e["prompt"]))
                         for e in random.Random(cfg.seed).sample(train_set, min(256, len(train_set))))

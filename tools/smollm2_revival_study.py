@@ -30,6 +30,9 @@ The plateau, fixed before the trunk ran: at an eval step s >= WINDOW, over the e
 each has a 95% interval (Student's t) that holds 0 and lies within +-SLOPE_BOUND per 100 steps.
 A plateau whose held-out pass@1 is >= SATURATED is a saturation, one <= WALL a wall: either is
 said, and the task's difficulty changed once before any arm (docs/results/smollm2-revival.md).
+If the trunk reaches its cap (--max_steps, --trunk_cap) first, the branch is the cap's checkpoint
+and its record says no plateau held (cap_record: fixed at step 200, before any later evaluation
+was read); a saturation or a wall there is judged on the window's mean held-out pass@1.
 
 The go/no-go, fixed before the census ran: prompts whose whole 95% Clopper-Pearson interval of Q
 lies in [1/512, 1/16) are in N = 512's reach and out of N = 16's (N = 512 draws a right answer in
@@ -113,6 +116,19 @@ def plateau_test(rows: list) -> dict:
                 plateau=plateau, verdict=verdict)
 
 
+def cap_record(test: dict, rows: list) -> dict:
+    """The branch point when the trunk reaches its cap (--max_steps or --trunk_cap) before the rule
+    holds, fixed at step 200 before any later evaluation was read: the census runs at the cap's
+    checkpoint all the same, and the record says that no plateau held (verdict "cap"); a
+    saturation or a wall is judged on the window's mean held-out pass@1 (one evaluation is too
+    noisy to tell)."""
+    evals = [r for r in rows if "eval_pass@1" in r]
+    window = [r["eval_pass@1"] for r in evals if r["step"] > evals[-1]["step"] - WINDOW]
+    level = statistics.fmean(window)
+    verdict = "saturated" if level >= SATURATED else "wall" if level <= WALL else "cap"
+    return {**test, "plateau": False, "window_pass1_mean": level, "verdict": verdict}
+
+
 def reach_count(records: list) -> dict:
     """The go/no-go's count over a census's records: prompts whose Clopper-Pearson interval of Q
     lies inside REACH, and those whose point estimate does."""
@@ -169,7 +185,11 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
         if done >= max_steps or spent >= cap:
             print(f"trunk: stopped without a plateau at step {done} ({spent:.0f} CPU s; "
                   f"--max_steps {max_steps}, --trunk_cap {cap})", flush=True)
-            return {}
+            if not done:
+                return {}
+            record = cap_record(test, rows)
+            write_atomic(raw / "trunk" / "plateau.json", json.dumps(record, indent=1) + "\n")
+            return record
         run.advance(done)
 
 
@@ -359,6 +379,10 @@ def main(argv=None):
         if a.only in (None, "census"):
             if not (raw / "trunk" / "plateau.json").is_file():
                 fail(f"no plateau yet ({raw / 'trunk' / 'plateau.json'}): run the trunk first")
+            verdict = study.read_json(raw / "trunk" / "plateau.json", PLATEAU_KEYS)["verdict"]
+            if verdict in ("saturated", "wall"):
+                fail(f"{raw / 'trunk' / 'plateau.json'}: the trunk's verdict is {verdict}; the "
+                     "task is made harder and a new trunk run before any census")
             if not plateau_census(out, raw, a.census_first)["go"] or a.only == "census":
                 return
         arms(out, raw, a.seeds, a.jobs)

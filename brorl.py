@@ -16,7 +16,7 @@ One step, as implemented (docs/paper.md §2 is the ProRL v2 recipe that BroRL ke
                  token-level mean over the mini-batch's response tokens, truncated importance
                  sampling for the sampler/trainer drift, optional k2 KL to a periodically reset
                  reference, a fixed number of mini-batch updates, AdamW, gradient clipping (or the
-                 alternatives of lib/objectives.py). Its forward, lib/policy.response_logprobs,
+                 alternatives of lib/objectives.py). Its forward, lib/logprobs.response_logprobs,
                  runs each prompt once, its N rows attending to its keys and values. Log-probs:
                  kernels.linear_logprobs from hidden states, the logits never whole (another head:
                  kernels.token_logprobs on its logits); the sampler's kernels.token_logprobs.
@@ -40,25 +40,27 @@ runs/<run>`; `torchrun ... brorl.py` (K processes); `--help`, every flag (docs/r
 Beside it: sampler.py (rollouts), kernels.py (log-probs), verify.py (rewards), data.py (tasks, the
 embedded model); lib/ the machinery (flags, harness, model plumbing, planner, processes,
 diagnostics), which a reader may skip but for step.py (what the phases hand each other: scored
-rollouts, a prompt's Group, the step's statistics) and policy.response_logprobs; tools/ the
+rollouts, a prompt's Group, the step's statistics) and logprobs.response_logprobs; tools/ the
 programs run beside training; docs/paper.md the paper restated; docs/results/ every figure.
 """
 
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 import data
-from lib import (allocation, config, diagnostics, distributed, evalonly, harness, samples, setup,
-                 steplog)
+from lib import (allocation, config, diagnostics, distributed, evalonly, harness, plan, samples,
+                 setup, steplog)
 from lib.errors import fail
+from lib.logprobs import old_logprobs, reference_logprobs, response_logprobs
+from lib.lora import make_reference, trainable
 from lib.objectives import OBJECTIVES, aggregation, focal_weight, max_variance_subset
-from lib.policy import (autocast, clip_gradients, make_reference, old_logprobs, pack_groups,
-                        response_logprobs, trainable)
-from lib.step import Group, SampleStep, StepStats, sample_groups, sample_share
+from lib.policy import autocast, clip_gradients
+from lib.step import (Batch, Group, SampleStep, StepStats, pack_groups, sample_groups,
+                      sample_share)
 from sampler import draw_seeds, round_seeds
 
 # ----------------------------------------------------------------------------
@@ -131,6 +133,11 @@ class Config(config.RunOptions):
     eval_samples: int = 32  # samples per eval prompt (pass@1 their mean, pass@k unbiased; paper 16)
     eval_max_new_tokens: int = 0  # response length cap in tokens at eval; 0: --max_new_tokens
 
+    def __post_init__(self):
+        # --loss_agg auto becomes the --loss's own (lib/objectives.OBJECTIVES), so that the config
+        # (and config.json) says what runs.
+        self.loss_agg = aggregation(self.loss, self.loss_agg)
+
 
 def parse_config(argv=None) -> Config:
     """The Config of the command line (lib/config.py): a preset, the flags, checked; or --resume."""
@@ -178,8 +185,8 @@ def sample_step_groups(model, tok, cfg, train_set, rng, step, keep_est) -> tuple
 def trained_rows(kept: list[Group], m: int = 0) -> tuple:
     """The rows trained on, of each kept group the m whose rewards vary most (PODS; m = 0: all):
     the chosen (G tensors (m_j,), indices among n), each row's group, reward, tokens (R,) each."""
-    chosen = [max_variance_subset(k.rewards[None], min(m or len(k.rewards), len(k.rewards)))[0]
-              for k in kept]
+    chosen = [max_variance_subset(k.rewards[None], m)[0] if 0 < m < len(k.rewards)
+              else torch.arange(len(k.rewards)) for k in kept]
     sizes = torch.tensor([len(c) for c in chosen])  # (G,) rows per group
     group = torch.arange(len(kept)).repeat_interleave(sizes)  # (R,)
     rewards = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
@@ -302,20 +309,20 @@ def token_loss(logp, old_logp, sampler_logp, ref_logp, adv, mask, w, cfg):
     return loss, ratio, clipped, kl
 
 
-def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
+def update_policy(model, ref_model, opt, batch: Batch, adv, cfg, gen_cpu):
     """n_minibatches optimizer steps over the step's R rows, each on a mini-batch's summed
-    token_loss; the metrics. batch: this rank's rows (K = 1: all), ["lengths"] all rows' valid
+    token_loss; the metrics. batch: this rank's rows (K = 1: all), its lengths all rows' valid
     tokens (G tensors (m_j,)); adv (r,): its rows'."""
     dev = adv.device
     # All ranks' R rows (G*m, or sum m_j), which of them this rank holds, and their valid tokens.
-    layout = distributed.RowLayout(batch["lengths"], cfg.micro_batch, dev)
+    layout = distributed.RowLayout(batch.lengths, cfg.micro_batch, dev)
     R = len(layout)
-    sampler_logp, valid = batch["sampler_logp"], batch["resp_mask"]  # (r, T) each
-    agg = aggregation(cfg.loss, cfg.loss_agg)
+    sampler_logp, valid = batch.sampler_logp, batch.resp_mask  # (r, T) each
     # Before any update: the old policy's log-probs and entropies (the sampler's or a forward's),
-    # and the reference's log-probs. (r, T) each
-    old_logp, ent, ref_logp = old_logprobs(model, ref_model, batch,
-                                           layout.mine(torch.arange(R)), cfg, dev)
+    # and with --kl_coef the reference's log-probs. (r, T) each
+    mine = layout.mine(torch.arange(R))
+    old_logp, ent = old_logprobs(model, batch, mine, cfg, dev)
+    ref_logp = reference_logprobs(ref_model, batch, mine, cfg, dev) if cfg.kl_coef > 0 else None
     # The drift of the loss's old policy from the sampler's (0 with its log-probs). (tokens,)
     drift = (torch.exp(old_logp - sampler_logp) - 1).abs()[valid]
     sums = dict(entropy=ent[valid].sum().item(), drift_mean=drift.sum().item(), clip_frac=0.0,
@@ -331,7 +338,8 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
             with autocast(cfg, dev):  # A fresh region per forward sees the last opt.step().
                 logp = response_logprobs(model, batch, rows, cfg.temperature)  # (r, T)
             # The weights count the whole mini-batch's tokens and rows, over all ranks. (r, T)
-            w = loss_weights(mask, agg, *layout.counts(mb), cfg.max_new_tokens, logp.dtype)
+            w = loss_weights(mask, cfg.loss_agg, *layout.counts(mb), cfg.max_new_tokens,
+                             logp.dtype)
             loss, ratio, clipped, kl = token_loss(logp, old_logp[rows], sampler_logp[rows], ref,
                                                   adv[rows], mask, w, cfg)
             loss.sum().backward()
@@ -348,11 +356,12 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
         grad_norm += norm / len(minibatches)
         opt.step()
     opt.zero_grad(set_to_none=True)  # Otherwise the gradients would sit through the next rollout.
-    total = distributed.reduce(sums, maxes=("drift_max", "max_ratio_dev"))  # over all ranks' rows
+    if distributed.world_size() > 1:  # Summed (or maxed) over all ranks' rows.
+        sums = distributed.reduce(sums, maxes=("drift_max", "max_ratio_dev"))
     # The per-token metrics divide by all ranks' valid tokens, each token counted once.
     n_tok = max(layout.tokens.sum().item(), 1)
     per_token = ("entropy", "drift_mean", "clip_frac", "kl")
-    return {**{k: v / n_tok if k in per_token else v for k, v in total.items()},
+    return {**{k: v / n_tok if k in per_token else v for k, v in sums.items()},
             "grad_norm": grad_norm}
 
 
@@ -361,10 +370,11 @@ def update_policy(model, ref_model, opt, batch, adv, cfg, gen_cpu):
 
 
 def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_cpu, keep_est,
-            sample: SampleStep = sample_step_groups) -> dict:
+            sample: SampleStep = sample_step_groups, record=None) -> dict:
     """rollout -> reward -> dynamic sampling -> advantages -> policy update; returns the metrics.
     replica: the policy's full weights, for the rollouts (the policy itself when K = 1). sample:
-    the rollout, reward and dynamic sampling phases (train() gives the run's own)."""
+    the rollout, reward and dynamic sampling phases (train() gives the run's own). record: what
+    the instruments record after the update (lib/diagnostics.step_records), or None."""
     replica.eval()
     t0 = time.perf_counter()
     # No weight changes while sampling, so the autocast region's cache stays valid.
@@ -379,21 +389,28 @@ def rl_step(model, replica, ref_model, opt, tok, cfg, train_set, rng, step, gen_
         batch, my_adv = pack_rows(kept, chosen, adv, model.device)
         model.train()
         upd = update_policy(model, ref_model, opt, batch, my_adv, cfg, gen_cpu)
-        distributed.refresh(model, replica)  # The replica follows the update: one gather a step.
-        # The trained rows' reward; the mass balance; samples.jsonl's responses (not metrics').
-        upd.update(diagnostics.step_records(replica, tok, cfg, kept, chosen, adv, stats))
+        if replica is not model:  # K > 1: the replica follows the update, one gather a step.
+            distributed.refresh(model, replica)
+        if record is not None:  # The mass balance; samples.jsonl's responses (not metrics').
+            upd.update(record(replica, tok, cfg, kept, chosen, adv, stats))
+        # The reward of the kept groups' rollouts and of the rows trained on.
+        upd.update(reward_kept=torch.cat([k.rewards for k in kept]).mean().item(),
+                   reward_trained=rewards.mean().item())
     return steplog.step_metrics(stats, t_roll, time.perf_counter() - t0 - t_roll, upd)
 
 
 def pack_rows(kept: list[Group], chosen: list, adv: torch.Tensor, dev) -> tuple:
-    """The update's batch: each kept group's chosen rollouts moved to the rank that trains it
-    (K = 1: all stay here), this rank's groups packed into one batch (pack_groups) that carries
-    every rank's rows' lengths (G tensors (m_j,)); and this rank's rows' advantages (its rows,)."""
-    groups = distributed.balance([k.rollouts.group(k.index, c) if k.rollouts is not None else None
-                                  for k, c in zip(kept, chosen)])
+    """The update's Batch: each kept group's chosen rollouts on the rank that trains it (K = 1:
+    all here), this rank's groups packed into one batch (pack_groups) that carries every rank's
+    rows' lengths (G tensors (m_j,)); and this rank's rows' advantages (its rows,)."""
+    # Each group's chosen rollouts where this rank sampled it, else None.
+    groups = [k.rollouts.group(k.index, c) if k.rollouts is not None else None
+              for k, c in zip(kept, chosen)]
+    if distributed.world_size() > 1:  # Each group moved to the rank whose share holds it.
+        groups = distributed.balance(groups)
     mine = [j for j, x in enumerate(groups) if x is not None]
     lengths = [k.lengths[c] for k, c in zip(kept, chosen)]  # G tensors (m_j,)
-    batch = dict(pack_groups([groups[j] for j in mine], dev), lengths=lengths)
+    batch = replace(pack_groups([groups[j] for j in mine], dev), lengths=lengths)
     each = adv.split([len(c) for c in chosen])  # G tensors (m_j,)
     return batch, torch.cat([each[j] for j in mine] or [torch.zeros(0)]).to(dev)
 
@@ -468,9 +485,12 @@ def train(cfg: Config) -> list:
     start, keep_est, q_start = run.restore(opt, ref_model, rng, gen_cpu, estimate)
     # What each eval measures beyond pass@k: the probe's Q, the exact Q, and the rest.
     diag = diagnostics.Diagnostics(cfg, run, estimate)
-    # The step's sampling: sample_step_groups, or --alloc adaptive's; --mass_balance watches it.
-    sample = diagnostics.watch_sampling(allocation.sampler(estimate) if estimate
-                                        else sample_step_groups, cfg, diag.exact_set)
+    # The step's sampling: sample_step_groups, or --alloc adaptive's.
+    sample = allocation.sampler(estimate) if estimate else sample_step_groups
+    if cfg.mass_balance:  # It also takes the kept groups' answer distributions before the update.
+        sample = diagnostics.watch_sampling(sample, cfg, diag.exact_set)
+    # What the instruments record after each update: the mass balance, samples.jsonl's responses.
+    record = diagnostics.step_records if cfg.mass_balance or cfg.sample_groups else None
 
     def log_eval(step, q_start=None):
         """Held-out pass@k, then the diagnostics (the probe's Q relative to step 0's), on the
@@ -489,7 +509,8 @@ def train(cfg: Config) -> list:
         with run.clock:  # Training time: evaluations and checkpoints are excluded.
             try:
                 m = {"step": step, **rl_step(model, replica, ref_model, opt, tok, cfg,
-                                             run.train_set, rng, step, gen_cpu, keep_est, sample)}
+                                             run.train_set, rng, step, gen_cpu, keep_est, sample,
+                                             record)}
             except FloatingPointError as e:
                 # The bad mini-batch was not applied: stop before training on it.
                 fail(f"step {step}: {e}")
@@ -509,7 +530,7 @@ def train(cfg: Config) -> list:
 if __name__ == "__main__":
     cfg = parse_config()
     if cfg.plan:
-        setup.plan(cfg)  # the memory plan, loading no weights
+        plan.plan(cfg)  # the memory plan, loading no weights
     elif cfg.eval_only:
         eval_only(cfg)  # eval.json of --model
     else:

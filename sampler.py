@@ -163,7 +163,8 @@ class SharedPrefixCache:
 
 
 # The attention "brorl" outside decode steps (the prompt's prefill, the update's passes,
-# lib/policy.py), for every model family it serves (lib/attention.unsupported says which it cannot).
+# lib/logprobs.py), for every model family it serves (lib/attention.unsupported says which it
+# cannot).
 # transformers hands each layer's attention function the layer's own settings as keyword arguments:
 # `sliding_window` in a sliding-window layer (Mistral, Phi-3, Gemma 2/3, Qwen with
 # use_sliding_window), `softcap` where the scores are soft-capped (Gemma 2's

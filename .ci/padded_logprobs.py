@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 import data  # noqa: E402
 import sampler  # noqa: E402
-from lib import policy  # noqa: E402
+from lib import logprobs, step  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: different padding changes the kernels' tiling
 
@@ -44,8 +44,8 @@ def main():
     model, tok = tiny_model(device)
     prompts = ["123+45=", "9+1=", "77+123+1+450=", "5"]  # unequal lengths: up to 10 padding positions
     ro = sampler.generate(model, tok, prompts, 3, 8, 1.0, 1.0, 4096, [1, 2, 3, 4])
-    batch = policy.pack_groups([ro.group(g) for g in range(len(prompts))], device)
-    alone = [policy.pack_groups([ro.group(g)], device) for g in range(len(prompts))]  # no padding
+    batch = step.pack_groups([ro.group(g) for g in range(len(prompts))], device)
+    alone = [step.pack_groups([ro.group(g)], device) for g in range(len(prompts))]  # no padding
     backends = ([SDPBackend.MATH] if device.type == "cpu" else
                 [SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION])
     failed = False
@@ -53,8 +53,8 @@ def main():
         for backend in backends:
             try:
                 with sdpa_kernel([backend]), torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                    padded = policy.response_logprobs(model, batch, torch.arange(len(ro.texts), device=device), 1.0)
-                    own = [policy.response_logprobs(model, b, torch.arange(3, device=device), 1.0) for b in alone]
+                    padded = logprobs.response_logprobs(model, batch, torch.arange(len(ro.texts), device=device), 1.0)
+                    own = [logprobs.response_logprobs(model, b, torch.arange(3, device=device), 1.0) for b in alone]
             except RuntimeError as e:  # e.g. flash attention takes no arbitrary mask: not available here
                 print(f"{str(dtype):15s} {backend.name:20s} not available for these masks ({str(e).splitlines()[0][:80]})")
                 continue

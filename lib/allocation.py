@@ -24,6 +24,7 @@ rollout, reward and dynamic sampling phases, with one round of B candidates size
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -125,6 +126,17 @@ def calibration(estimate: Estimate, positions: list, log10_q: list) -> dict:
             "alloc_calib_abs_log10": (est - exact).abs().mean().item(), "alloc_calib_corr": corr}
 
 
+@dataclass
+class AllocStats:
+    """What a step under --alloc adaptive reports beside its StepStats (its field alloc), each a
+    column of metrics.jsonl."""
+    alloc_n_min: int  # the fewest rollouts a candidate prompt got
+    alloc_n_median: float  # the median rollouts per candidate prompt
+    alloc_n_max: int  # the most rollouts a candidate prompt got
+    informative_per_1k: float  # informative groups (rewards not all equal) per 1,000 rollouts
+    rollouts_dropped: int  # the rollouts of the groups dynamic sampling dropped
+
+
 def sample_allocated_groups(model, tok, cfg, train_set, rng, step, keep_est,
                             estimate: Estimate) -> tuple:
     """One step's rollouts under --alloc adaptive, in brorl.sample_step_groups' signature
@@ -145,12 +157,10 @@ def sample_allocated_groups(model, tok, cfg, train_set, rng, step, keep_est,
     stats = StepStats()
     stats.count(groups, cfg.task)  # one round (keys, sets: also the prompts sampled right)
     stats.groups_survived = stats.groups_kept = len(kept)
-    # The allocation: rollouts per prompt, informative groups per 1,000 rollouts, those dropped.
-    stats.alloc_n_min, stats.alloc_n_max = min(n), max(n)
-    stats.alloc_n_median = torch.tensor(n).double().quantile(0.5).item()
-    stats.informative_per_1k = 1000 * sum(informative) / R
-    stats.rollouts_dropped = (sum(s for s, useful in zip(n, informative) if not useful)
-                              if cfg.dynamic_sampling else 0)
+    # The allocation's statistics; the rollouts of the groups dropped.
+    dropped = sum(s for s, useful in zip(n, informative) if not useful)
+    stats.alloc = AllocStats(min(n), torch.tensor(n).double().quantile(0.5).item(), max(n),
+                             1000 * sum(informative) / R, dropped if cfg.dynamic_sampling else 0)
     return kept, stats
 
 

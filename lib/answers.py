@@ -2,7 +2,7 @@
 answers.py: the whole answer distribution of a prompt, exact, where the answer space is small enough
 to enumerate (the sets task, data.py: every value 100..999). Each answer's probability is its tokens
 then EOS, teacher-forced at the training temperature through the update's own log-prob path
-(lib/policy.py's response_logprobs: the prompt run once, its A answers against its keys/values),
+(lib/logprobs.py's response_logprobs: the prompt run once, its A answers against its keys/values),
 summed in float64. What no answer of the space holds (a 2-digit string, a letter, no EOS) is the
 mass outside.
 
@@ -22,7 +22,7 @@ import torch
 import data
 from lib.errors import fail
 from lib.mass import ids_batch
-from lib.policy import response_logprobs
+from lib.logprobs import response_logprobs
 from lib.rundir import replace_atomic
 from sampler import encode_prompt
 
@@ -63,7 +63,7 @@ def distribution(model, tok, examples, answers: list, temperature: float, system
         # Every answer of each prompt of the pass: (g*A,) rows, row r answering prompt r // A.
         batch = ids_batch(part, resp_ids * g, dev, group=torch.arange(g).repeat_interleave(A))
         logp = response_logprobs(model, batch, torch.arange(g * A, device=dev), temperature)
-        out.append((logp.double() * batch["resp_mask"]).sum(1).view(g, A).cpu())  # (g, A)
+        out.append((logp.double() * batch.resp_mask).sum(1).view(g, A).cpu())  # (g, A)
     return torch.cat(out) if out else torch.zeros(0, A, dtype=torch.float64)
 
 

@@ -5,7 +5,7 @@ instruments), whose bases are the flags that an alternative run by lib/ declares
 (each loss's own, lib/objectives.LossFlags; LoRA's, LoRAFlags below). Every field of them all is
 a --flag, its source comment the --help (CONTRIBUTING.md, rule 7, says which class a new flag
 joins); a preset (lib/presets.py) is applied before the flags given; --resume starts from the
-run's own config.json (lib/rundir.resumed_config); the first thing wrong with a config
+run's own config.json (lib/resume.resumed_config); the first thing wrong with a config
 (lib/checks.py) stops it with one line (lib/errors.fail).
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 import data
 from lib.checks import check_config, one_of, unused_flag
 from lib.errors import fail
-from lib.objectives import OBJECTIVES, LossFlags, aggregation
+from lib.objectives import OBJECTIVES, LossFlags
 from lib.presets import PRESETS
-from lib.rundir import held_line, held_run, resumed_config
+from lib.resume import resumed_config
+from lib.rundir import held_line, held_run
 
 
 # ----------------------------------------------------------------------------
@@ -33,10 +34,10 @@ from lib.rundir import held_line, held_run, resumed_config
 
 @dataclass
 class LoRAFlags:
-    """LoRA's flags (lib/policy.add_lora, through peft)"""
+    """LoRA's flags (lib/lora.add_lora, through peft)"""
     # The optimizer and the checkpoint hold the adapter alone, and the KL's reference shares the
     # base model. The planner, the checks and the harness read these too, so they are declared
-    # here, which imports no model code, rather than in lib/policy.py.
+    # here, which imports no model code, rather than in lib/lora.py.
     lora_rank: int = 0  # LoRA's rank r: train a rank-r adapter on the frozen model;
                         # 0: full fine-tuning
     lora_alpha: float = 0.0  # LoRA's alpha: the adapter's scale is alpha / r; 0: alpha = 2r
@@ -214,9 +215,9 @@ def is_number(s: str) -> bool:
 def parse_config(config_cls, description: str, argv=None, presets=None):
     """Config from the command line: the preset's overrides, then the flags given. With --resume,
     the run's own config.json, then the flags given (e.g. --steps to extend it), except the flags in
-    rundir.FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is
-    refused, as it could not take effect; then check_config. The config records what runs:
-    --loss_agg auto resolved. presets: PRESETS (lib/presets.py) unless given."""
+    resume.FIXED_ON_RESUME, whose value the checkpoint's restored state decides: changing one is
+    refused, as it could not take effect; then check_config. The config records what runs
+    (brorl.Config resolves --loss_agg auto). presets: PRESETS (lib/presets.py) unless given."""
     presets = PRESETS if presets is None else presets
     parser = OneLineParser(description=description)
     helps = table_help(config_cls, presets)
@@ -259,4 +260,4 @@ def parse_config(config_cls, description: str, argv=None, presets=None):
         source = "the run's config.json" if overrides.get("resume") else f"--preset {preset}"
         parser.error(problem + (f" (--{untyped[0]} {base[untyped[0]]!r} comes from {source})"
                                 if untyped else ""))
-    return dataclasses.replace(cfg, loss_agg=aggregation(cfg.loss, cfg.loss_agg))
+    return cfg

@@ -11,8 +11,9 @@ the same random stream, and logs its metrics in the same row:
   - with --answer_prompts (sets task), every answer's probability and Figure 3's measures
     (lib/answers.py).
 The probe samples through lib/step.sample_share, as brorl.evaluate does.
-And what each training step records beside its update (step_records, after it): the trained rows'
-reward, the mass balance (lib/balance.py) and samples.jsonl's training responses (lib/samples.py).
+And what a training step records beside its update when an instrument asks (brorl.train hooks
+these in only then): the mass balance (lib/balance.py: watch_sampling before the update,
+step_records after it) and samples.jsonl's training responses (lib/samples.py).
 """
 
 import torch
@@ -108,12 +109,10 @@ class Diagnostics:
 
 
 def watch_sampling(sample: SampleStep, cfg, followed: list) -> SampleStep:
-    """A step's sampling phase that with --mass_balance, on its steps, also takes the kept
-    groups' answer distributions before any update (a balance.Snapshot, the StepStats'
-    balance_before), for step_records to compare with after it; sample itself without.
-    followed: the prompts whose Q is followed when not trained."""
-    if not cfg.mass_balance:
-        return sample
+    """--mass_balance: a step's sampling phase that on its steps also takes the kept groups'
+    answer distributions before any update (a balance.Snapshot, the StepStats' balance_before),
+    for step_records to compare with after it. followed: the prompts whose Q is followed when not
+    trained."""
 
     def sample_and_snapshot(model, tok, cfg, train_set, rng, step, keep_est):
         kept, stats = sample(model, tok, cfg, train_set, rng, step, keep_est)
@@ -126,11 +125,11 @@ def watch_sampling(sample: SampleStep, cfg, followed: list) -> SampleStep:
 
 def step_records(model, tok, cfg, kept: list[Group], chosen: list, adv: torch.Tensor,
                  stats: StepStats) -> dict:
-    """After a step's update, of model (the updated policy): on --mass_balance's steps, each
-    trained group's mass balance (lib/balance.py, against watch_sampling's snapshot); the rewards
-    of the rows trained on and of all rollouts of the kept groups; with --sample_groups, the first
-    groups' trained responses with their advantages (samples.jsonl's, not metrics.jsonl's). kept:
-    the step's Groups; chosen: each one's trained rollouts (G tensors (m_j,)); adv (R,) the
+    """With --mass_balance or --sample_groups (brorl.train hands it to rl_step only then), after a
+    step's update, of model (the updated policy): on --mass_balance's steps, each trained group's
+    mass balance (lib/balance.py, against watch_sampling's snapshot); with --sample_groups, the
+    first groups' trained responses with their advantages (samples.jsonl's, not metrics.jsonl's).
+    kept: the step's Groups; chosen: each one's trained rollouts (G tensors (m_j,)); adv (R,) the
     trained rows' advantages, group-major."""
     m = {}
     if stats.balance_before is not None:  # The four parts' mass, Theorem 1's terms, the others' Q.
@@ -138,9 +137,7 @@ def step_records(model, tok, cfg, kept: list[Group], chosen: list, adv: torch.Te
         before = stats.balance_before
         after = balance.Snapshot(model, tok, cfg, kept, before.followed)
         m.update(balance.records(before, after, kept, chosen))
-    trained = torch.cat([k.rewards[c] for k, c in zip(kept, chosen)])  # (R,)
-    m.update(reward_kept=torch.cat([k.rewards for k in kept]).mean().item(),
-             reward_trained=trained.mean().item())
-    advs = list(adv.split([len(c) for c in chosen]))  # G tensors (m_j,)
-    m["train_responses"] = samples.group_records(kept, chosen, advs, tok, cfg)
+    if cfg.sample_groups:  # the same on every rank: all call group_records' collective, or none
+        advs = list(adv.split([len(c) for c in chosen]))  # G tensors (m_j,)
+        m["train_responses"] = samples.group_records(kept, chosen, advs, tok, cfg)
     return m

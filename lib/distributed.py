@@ -1,7 +1,8 @@
 """
-distributed.py: brorl on K processes, launched by torchrun. One process (`python brorl.py`) is the
-K = 1 case of the same code: every function here is then trivial (a sum of one term, a gather of
-one part, no sharding).
+distributed.py: brorl on K processes, launched by torchrun. One process (`python brorl.py`) runs
+the same code with K = 1, where nothing moves between ranks: the callers skip the helpers that
+would do nothing then (a gather of one part, a sum of one term, a move to itself: each call site
+says `if world_size() > 1`), and the rest reduce to the one process's case (all rows its share).
 
     torchrun --standalone --nproc_per_node=K brorl.py [flags]
 
@@ -163,7 +164,7 @@ class RowLayout:
     """The update's R rows over all ranks, group-major (each group's responses in turn, rank k
     holding the groups in share(G, k)). lengths: G tensors (m_j,), each response's valid tokens,
     as training passes them (brorl.pack_rows), whatever the groups' sizes; a (G, m) tensor
-    (policy.pack_groups' for equal groups) is read as its G rows, so that every caller takes
+    (step.pack_groups' for equal groups) is read as its G rows, so that every caller takes
     training's one path. Every rank knows every row's length, so the loss's normalisers are alike
     on every rank; each rank computes only the rows it holds."""
 
@@ -179,8 +180,11 @@ class RowLayout:
 
     def mine(self, rows: torch.Tensor) -> list:
         """This rank's rows among `rows` (indices among all ranks' rows), as micro-batches of
-        indices into its own batch (micro_batches: as many on every rank)."""
-        parts = micro_batches(rows, self.n_groups, self.per_group, self.micro_batch)
+        indices into its own batch: K = 1, rows itself, split; K > 1, micro_batches' (as many on
+        every rank)."""
+        size = self.micro_batch
+        parts = (micro_batches(rows, self.n_groups, self.per_group, size) if world_size() > 1
+                 else [rows[i: i + size] for i in range(0, len(rows), size)])
         return [x.to(self.device) for x in parts]
 
     def counts(self, rows: torch.Tensor) -> tuple:

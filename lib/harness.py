@@ -17,14 +17,16 @@ import torch
 from tqdm import tqdm
 
 import data
-from lib import distributed, planner, report, samples
+from lib import distributed, report, samples
 from lib.checkpoint import checkpoint_dir, load_optimizer, read_trainer_state, save_atomic
 from lib.diagnostics import first_references
 from lib.errors import fail
+from lib.lora import add_lora, is_lora, trainable
 from lib.objectives import OBJECTIVES, aggregation
-from lib.policy import add_lora, autocast, compute_dtype, enable_grad_ckpt, is_lora, trainable
+from lib.policy import autocast, compute_dtype, enable_grad_ckpt
 from lib.rundir import (check_writable, make_run_dir, open_metrics, read_metrics, record_changes,
                         surviving_checkpoint, write_atomic, writes_are_one_line)
+from lib.plan import plan_memory
 from lib.setup import setup, stop_on_ctrl_c
 from lib.steplog import log_line, plot_metrics
 
@@ -268,7 +270,7 @@ def start(cfg) -> Run:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     if cfg.grad_ckpt:
         enable_grad_ckpt(model)
-    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
+    cfg = plan_memory(cfg, model.config, tok, train_set, device, prompt_tokens=longest)
     # What the measures compare with the first eval, checked before anything is written.
     first_answers = first_references(cfg, Path(cfg.resume), eval_set, state) if ckpt else None
     out, lock = make_run_dir(cfg, resume_from=ckpt, fresh=not cfg.resume)  # (no ckpt: from step 0)

@@ -7,7 +7,7 @@ probability the policy gives its correct answers, is read by analogy to it. The 
 entry's right_answers, data.TASKS: on the arith task and on keys the digits of the gold, then EOS;
 on sets each of its right values), Q(x) is exact: the product of a sequence's tempered token
 probabilities (summed over a prompt's right answers), teacher-forced, from one forward through the
-log-prob path the update uses (lib/policy.py's response_logprobs, the log-prob kernel). It is a
+log-prob path the update uses (lib/logprobs.py's response_logprobs, the log-prob kernel). It is a
 lower bound on the verifier's accepted mass: the integer rule also takes " 579" or "0579", strings
 no warm start ever wrote.
 
@@ -26,8 +26,10 @@ import torch
 
 import data
 from lib.errors import fail
-from lib.policy import response_logprobs
+from lib.logprobs import response_logprobs
+from lib.step import Batch
 from sampler import encode_prompt
+
 
 def measured_task(cfg) -> data.Task:
     """The entry (data.TASKS) of the task whose prompts the exact Q measures: --eval_task's where
@@ -53,8 +55,8 @@ def prompt_set(cfg, eval_set, train_set=None) -> list:
     return rows
 
 
-def ids_batch(prompts: list, responses: list, dev, group=None) -> dict:
-    """The update's batch format (lib/policy.pack_groups) from token id lists: prompts left-padded
+def ids_batch(prompts: list, responses: list, dev, group=None) -> Batch:
+    """The update's Batch (lib/step.pack_groups') from token id lists: prompts left-padded
     to P, responses right-padded to T (at least 2 columns: response_logprobs' calls), and group
     (R,), the prompt each response answers (default: response i answers prompt i)."""
     G, R = len(prompts), len(responses)
@@ -68,9 +70,8 @@ def ids_batch(prompts: list, responses: list, dev, group=None) -> dict:
     for i, a in enumerate(responses):
         resp[i, :len(a)], resp_mask[i, :len(a)] = torch.tensor(a), True
     group = torch.arange(G) if group is None else torch.as_tensor(group)  # (R,)
-    return dict(prompt=prompt.to(dev), prompt_mask=prompt_mask.to(dev), resp=resp.to(dev),
-                resp_mask=resp_mask.to(dev), group=group.to(dev),
-                sampler_logp=torch.zeros(R, T, device=dev))
+    return Batch(prompt.to(dev), prompt_mask.to(dev), resp.to(dev), resp_mask.to(dev),
+                 group.to(dev), sampler_logp=torch.zeros(R, T, device=dev))
 
 
 @torch.no_grad()
@@ -83,9 +84,9 @@ def sequence_log_mass(model, prompts: list, responses: list, temperature: float,
     out = []
     for i in range(0, len(prompts), chunk):
         batch = ids_batch(prompts[i: i + chunk], responses[i: i + chunk], dev)
-        logp = response_logprobs(model, batch, torch.arange(len(batch["group"]), device=dev),
+        logp = response_logprobs(model, batch, torch.arange(len(batch.group), device=dev),
                                  temperature)  # (p, T)
-        out.append((logp.double() * batch["resp_mask"]).sum(1).cpu())  # (p,)
+        out.append((logp.double() * batch.resp_mask).sum(1).cpu())  # (p,)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 

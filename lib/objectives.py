@@ -24,8 +24,9 @@ def aggregation(loss: str, loss_agg: str) -> str:
     paper's objective, and what verl hard-codes inside its GSPO loss: a token mean would weigh each
     sequence's ratio by its length, another gradient on ragged batches) and with SAPO (what verl
     hard-codes and TRL runs for it: each sequence's token mean, then the mean over sequences), the
-    token mean (DAPO's) otherwise."""
-    return OBJECTIVES[loss].aggregation if loss_agg == "auto" else loss_agg
+    token mean (DAPO's) otherwise. brorl.Config resolves it as it is made; an unknown --loss is
+    left to lib/checks' line."""
+    return OBJECTIVES[loss].aggregation if loss_agg == "auto" and loss in OBJECTIVES else loss_agg
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:

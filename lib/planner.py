@@ -18,23 +18,20 @@ autocast (checked against measured peaks, tests/test_onegpu.py and tests/test_re
 estimate is of tensor bytes; an allocator adds its fragmentation on top (a margin on CUDA).
 
     plan(model_config, cfg, prompt_tokens, world_size=1) -> {"rollout": [(item, bytes)], "update":
-    [...]} fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an
-    error line measure_peak(fn) -> peak bytes of live tensors while fn runs (the check of the
-    estimate on a CPU)
+    [...]}; fit(model_config, cfg, prompt_tokens, memory_bytes) -> (max_rows, micro_batch) or an
+    error line; step_seconds(...): a roofline estimate of a step's time on one GPU.
+lib/plan.plan_memory prints a run's plan and fits its flags; tools/memcheck.py measures the
+peaks, to check the estimate.
 """
 
 import dataclasses
 import math
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lib import distributed
 import kernels
-from lib import policy
-from lib.errors import fail
-from sampler import MIN_ROWS, encode_prompt, padded_len
+from lib import logprobs
+from sampler import MIN_ROWS, padded_len
 
 GB = 2**30
 # default --memory_gb on CUDA: 90% of the device (allocator fragmentation, CUDA context)
@@ -219,8 +216,8 @@ def plan(mc, cfg, prompt_tokens: int, world_size: int = 1) -> dict:
     micro = [(f"activations of one micro-batch ({r} rows{', grad_ckpt' if cfg.grad_ckpt else ''})",
               acts), ("attention mask (r, T, P + T)", r * T * (P + T) * (1 + c)),
              ("logits and their gradient"
-              + ("" if policy.plain_logits(mc) else " (whole: not a plain head)"),
-              logits_bytes(r * T, V, H, c, policy.plain_logits(mc)))]
+              + ("" if logprobs.plain_logits(mc) else " (whole: not a plain head)"),
+              logits_bytes(r * T, V, H, c, logprobs.plain_logits(mc)))]
     if per_minibatch > r:  # a mini-batch of several micro-batches: from its second, all gradients
         micro.insert(0, (name, grads))
     else:  # one micro-batch a mini-batch (zero_grad sets them to None before it): the backward
@@ -242,8 +239,8 @@ def logits_bytes(rows: int, V: int, H: int, c: int, plain: bool = True) -> int:
     logits of the response pass, their concatenation and their gradient in c bytes, and the
     reference's fp32 chunks (2^22 elements). Either way the (V, H) gradients of the LM head and the
     embedding before they are accumulated (under autocast the head's is bf16, then cast to fp32).
-    plain: the config puts nothing after hidden @ W.T (policy.plain_head), on one process or K (the
-    log-prob pass runs inside the sharded model's forward: distributed.in_forward)."""
+    plain: the config puts nothing after hidden @ W.T (logprobs.plain_head), on one process or K
+    (the log-prob pass runs inside the sharded model's forward: distributed.in_forward)."""
     heads = V * H * (4 + 4 + (2 if c == 2 else 0))
     chunk_bytes = getattr(kernels, "LINEAR_CHUNK_BYTES", None)
     if chunk_bytes is not None and plain:
@@ -356,93 +353,3 @@ def step_seconds(mc, cfg, prompt_tokens: int, gpu=H100, keep: float = 0.5,
     m = cfg.train_rollouts or N  # rows trained per group
     update = B * m * (P / m + T) * 2 * linear * (forwards + 2) / flop_s / world_size
     return {"rollout": rollout, "update": update, "step": rollout + update}
-
-
-# ----------------------------------------------------------------------------
-# Measuring, to check the estimate on a CPU: the peak of live tensor bytes
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every tensor storage created while active, until it is freed."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen = set()
-
-    def _free(self, key, nbytes):
-        self.seen.discard(key)
-        self.live -= nbytes
-
-    def track(self, t, nbytes_now=True):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key and key not in self.seen:  # a new storage (views share their base's)
-            self.seen.add(key)
-            self.live += st.nbytes() if nbytes_now else 0
-            weakref.finalize(st, self._free, key, st.nbytes())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.track(t)
-        self.peak = max(self.peak, self.live)
-        return out
-
-
-def measure_peak(fn, existing=lambda: ()):
-    """(fn's result, peak bytes of tensors allocated while fn runs and alive at once, less those of
-    `existing()` it frees meanwhile; a function, so that no reference to them is held here). What
-    existed before (weights, AdamW state) is not counted: add it."""
-    meter = _LiveBytes()
-    for t in existing():
-        meter.track(t, nbytes_now=False)  # counts 0 now, -nbytes when freed
-    with meter:
-        out = fn()
-    return out, meter.peak
-
-
-# ----------------------------------------------------------------------------
-# A run's plan: printed before its first step, its max_rows and micro_batch fitted
-
-
-def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
-    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with
-    no chat template one batched call, the same ids."""
-    if not tok.chat_template and not system_prompt:
-        ids = tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]
-        return [len(x) for x in ids]
-    return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
-
-
-def plan_memory(cfg, model_config, tok, train_set, device, world_size=None, report_only=False,
-                prompt_tokens=None):
-    """Print the planner's table and return cfg with max_rows and micro_batch lowered to fit
-    --memory_gb; stop with one line naming what to lower when even one row does not fit
-    (report_only, for --plan: say so and print the plan of one row). world_size: the K to plan for
-    (default: this run's). prompt_tokens: the longest prompt (default: the training set's, every row
-    measured)."""
-    prompt_tokens = prompt_tokens or max(prompt_lengths(tok, train_set, cfg.system_prompt))
-    cfg = dataclasses.replace(cfg, dtype=policy.pick_dtype(cfg, device, model_config)[0])
-    memory = cfg.memory_gb * GB or default_memory_bytes(device)
-    K = world_size or distributed.world_size()  # the figures are one rank's
-    say = print if distributed.is_main() else (lambda line: None)
-    fitted = fit(model_config, cfg, prompt_tokens, memory, K)
-    if isinstance(fitted, str) and not report_only:
-        fail(fitted)
-    if isinstance(fitted, str):  # the plan of one row a micro-batch, as many rows decoded as fit
-        say(f"does not fit on {K} device(s): {fitted}")
-        fitted = (fit_rows(model_config, cfg, prompt_tokens, memory, K) or 1, 1)
-    if fitted != (cfg.max_rows, cfg.micro_batch):
-        say(f"planner: --max_rows {cfg.max_rows} -> {fitted[0]}, "
-            f"--micro_batch {cfg.micro_batch} -> {fitted[1]} to fit {memory / GB:.1f} GB")
-        cfg = dataclasses.replace(cfg, max_rows=fitted[0], micro_batch=fitted[1])
-    say(f"memory plan per rank ({K} process(es); prompts up to {prompt_tokens} tokens, "
-        f"{policy.compute_dtype(cfg, device)}):")
-    say(format_plan(plan(model_config, cfg, prompt_tokens, K), memory))
-    t = step_seconds(model_config, cfg, prompt_tokens, world_size=K)
-    gpus = H100["name"] if K == 1 else f"{K} x {H100['name']}, ideal scaling"
-    say(f"time per step on {gpus} (roofline estimate, step_seconds; not measured): "
-        f"{t['step']:.3g} s (rollout {t['rollout']:.3g} s, update {t['update']:.3g} s)")
-    return cfg

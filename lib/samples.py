@@ -57,13 +57,11 @@ def eval_records(examples, ro, mine, correct, lengths, truncated, cfg) -> list:
 
 
 def group_records(kept: list[Group], keep, adv, tok, cfg) -> list:
-    """--sample_groups: the first trained responses of the step's first groups, with their
+    """--sample_groups (> 0): the first trained responses of the step's first groups, with their
     advantages, gathered from the ranks that sampled them (every rank calls this: all hold the same
     kept groups). kept: the step's kept Groups; keep: G tensors (m_j,), the trained rollouts'
     indices among each group's n; adv: G tensors (m_j,), their advantages (a (G, m) tensor each
     serves as well). A record's row is found through its own group's n."""
-    if not cfg.sample_groups:  # the same on every rank: no collective
-        return []
     records = []
     for k, group in enumerate(kept[: cfg.sample_groups]):
         ro, g, r, n_tok = group.rollouts, group.index, group.rewards, group.lengths

@@ -2,7 +2,7 @@
 setup.py: what a training run and --eval_only share before their first step: seeds, processes and
 device, Ctrl-C's one line, the verifier, the data (its training and held-out splits, each prompt
 checked against the model's context), the fixed eval set, the policy and its tokenizer, and the
-random stream of every evaluation. Also --plan: the memory plan of such a setup, loading no weights.
+random stream of every evaluation. A run's memory plan, and --plan's, are lib/plan.py's.
 """
 
 import ctypes
@@ -16,16 +16,14 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 import data
 import verify
-from lib import distributed, planner, pretrained
+from lib import distributed
 from lib.checkpoint import checkpoint_dir, is_run_dir
 from lib.errors import fail
-from lib.policy import config_refusal, load_policy, pick_dtype, split_revision
-from lib.rundir import surviving_checkpoint
+from lib.policy import load_policy, pick_dtype
 from sampler import encode_prompt
 
 
@@ -220,7 +218,7 @@ def fit_context(cfg, rows: list, where: str, max_new: int, tok, positions) -> tu
 
 class PromptLengths:
     """Each row's prompt length in tokens as the sampler encodes it, bounded from its bytes alone
-    (O(rows), no tokenizer call) and measured (planner.prompt_lengths) only where a bound cannot
+    (O(rows), no tokenizer call) and measured (prompt_lengths) only where a bound cannot
     decide. lo <= tokens <= hi, where lo = (the template's bytes + the stripped prompt's) / the
     most bytes a token covers, rounded up, - slack (0 where the prompt holds a special token's
     text), and hi = the template's tokens + the prompt's bytes + slack: every token covers at least
@@ -250,7 +248,7 @@ class PromptLengths:
     def measure(self, indices):
         """The exact tokens of these rows; one outside its bounds has every row measured."""
         todo = [i for i in indices if i not in self.exact]
-        counts = planner.prompt_lengths(self.tok, [self.rows[i] for i in todo],
+        counts = prompt_lengths(self.tok, [self.rows[i] for i in todo],
                                         self.system_prompt) if todo else []
         self.exact.update(zip(todo, counts))
         if any(not self.lo[i] <= self.exact[i] <= self.hi[i] for i in todo):
@@ -307,49 +305,18 @@ def template_bounds(tok, system_prompt: str):
             special, 0 if byte_level and not tok.chat_template else 2)
 
 
+def prompt_lengths(tok, rows: list, system_prompt: str = "") -> list:
+    """Each row's prompt length in tokens, as the sampler encodes it (sampler.encode_prompt); with
+    no chat template one batched call, the same ids."""
+    if not tok.chat_template and not system_prompt:
+        ids = tok([r["prompt"] for r in rows], add_special_tokens=True)["input_ids"]
+        return [len(x) for x in ids]
+    return [len(encode_prompt(tok, r["prompt"], system_prompt)) for r in rows]
+
+
 def eval_generator(device, seed: int, step: int) -> torch.Generator:
     """The random stream of the evaluation (and probe) at `step`, a function of (seed, step) alone:
     evaluating never moves the training's stream (--eval_every cannot change a run), and --eval_only
     draws exactly what a run's evaluation at step 0 draws."""
     seed63 = random.Random(f"eval-{seed}-{step}").getrandbits(63)
     return torch.Generator(device=device).manual_seed(seed63)
-
-
-# ----------------------------------------------------------------------------
-# --plan
-
-
-def plan(cfg) -> list:
-    """--plan: the memory plan from the model's config and tokenizer, loading no weights: on one
-    device, then per rank of 8 (torchrun)."""
-    name = str(surviving_checkpoint(Path(cfg.resume)) or cfg.model) if cfg.resume else cfg.model
-    device = distributed.pick_device(cfg.device)
-    train_set = load_data(cfg, "--task", cfg.task, "train", cfg.seed)
-    if is_run_dir(Path(name)):  # a run directory: its checkpoint, or one line
-        name = str(checkpoint_dir(name, "--model"))
-    name, revision = split_revision(pretrained.resolve(name))  # an alias: its folder
-    from huggingface_hub.errors import StrictDataclassError  # (transformers' config validation)
-    try:
-        model_config = AutoConfig.from_pretrained(name, revision=revision)
-        tok = AutoTokenizer.from_pretrained(name, revision=revision)
-    except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
-        fail(f"--model {name}: its config.json is refused by transformers ({config_refusal(e)})")
-    except (OSError, ValueError) as e:
-        fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
-    train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
-                                     cfg.max_new_tokens, tok, positions)
-    # The held-out prompts too, as setup() measures them: the run plans for the longest of both.
-    held_out = (load_data(cfg, "--eval_task", cfg.eval_task, "all", cfg.eval_seed) if cfg.eval_task
-                else load_data(cfg, "--task", cfg.task, "test", cfg.eval_seed))
-    source = f"--eval_task {cfg.eval_task}" if cfg.eval_task else f"--task {cfg.task}"
-    longest = max(longest, fit_context(cfg, held_out, f"{source}: held-out",
-                                       max(cfg.max_new_tokens, cfg.eval_max_new_tokens), tok,
-                                       positions)[1])
-    plan_k = lambda **k: planner.plan_memory(cfg, model_config, tok, train_set, device,
-                                             report_only=True, prompt_tokens=longest, **k)
-    plan_k()
-    if distributed.world_size() == 1:  # and as `torchrun --nproc_per_node=8` would run it, per rank
-        print()
-        plan_k(world_size=8)
-    return []

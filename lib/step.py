@@ -7,7 +7,8 @@ defined once for brorl.py and lib/ alike:
     (lib/allocation.py) and the probe (lib/diagnostics.py) all sample through it;
   - Group, a prompt's group, and sample_groups, which makes a batch's;
   - StepStats, what the sampling phase reports (lib/steplog.step_metrics makes it a row of
-    metrics.jsonl), and SampleStep, that phase's signature, as brorl.rl_step calls it.
+    metrics.jsonl), and SampleStep, that phase's signature, as brorl.rl_step calls it;
+  - Batch, the update's rows packed into tensors, and pack_groups, which packs kept groups'.
 """
 
 import random
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.nn.functional as F
 
 import data
 import verify
@@ -22,6 +24,7 @@ from lib import distributed
 from sampler import Rollouts, generate
 
 if TYPE_CHECKING:
+    from lib.allocation import AllocStats
     from lib.balance import Snapshot
 
 
@@ -51,7 +54,9 @@ def sample_share(model, tok, examples, n, temperature, top_p, cfg, seeds, max_ne
         rows = torch.stack([r[0], ro.mask.sum(1), ro.truncated, *r[1:]]).double()  # (3 or 4, rows)
         for j, part in enumerate(rows.split(sizes[mine.start: mine.stop], 1)):
             scores[j, :, : part.shape[1]] = part
-    r, lengths, truncated, *rl = distributed.gather(scores).unbind(1)  # (len(examples), n) each
+    if distributed.world_size() > 1:  # Every rank is given every prompt's scores.
+        scores = distributed.gather(scores)
+    r, lengths, truncated, *rl = scores.unbind(1)  # (len(examples), n) each
     own = lambda x: x if isinstance(n, int) else [x[i, :k] for i, k in enumerate(sizes)]
     # Each (P, n), or each (n_p,) for a list; the lenient verdicts last when asked.
     return ro, mine, *map(own, (r.float(), lengths, truncated, *(x.float() for x in rl)))
@@ -119,13 +124,7 @@ class StepStats:
     rewards: list = field(default_factory=list)  # each generated group's rewards (n_j,)
     tokens: int = 0  # response tokens generated
     sampled_right: list = None  # keys, sets (train_is_eval, data.TASKS): the prompts sampled right
-    # --alloc adaptive's (lib/allocation.py): rollouts per prompt (least, median, most), the
-    # informative groups per 1,000 rollouts, the rollouts of the dropped groups; else None.
-    alloc_n_min: int = None
-    alloc_n_median: float = None
-    alloc_n_max: int = None
-    informative_per_1k: float = None
-    rollouts_dropped: int = None
+    alloc: "AllocStats" = None  # --alloc adaptive's statistics (lib/allocation.py); else None
     # --mass_balance, on its steps: the kept groups' answer distributions before the update.
     balance_before: "Snapshot" = None
 
@@ -150,3 +149,56 @@ class SampleStep(Protocol):
 
     def __call__(self, model, tok, cfg, train_set: list, rng: random.Random, step: int,
                  keep_est: float) -> tuple[list[Group], StepStats]: ...
+
+
+# ----------------------------------------------------------------------------
+# The update's batch: the kept groups' trained rows, packed
+
+
+@dataclass
+class Batch:
+    """The rows an update trains on (pack_groups), or whose log-probs a measure takes (lib/mass.py):
+    G prompts and R responses, each response pointing at its prompt."""
+    prompt: torch.Tensor  # (G, P) prompt token ids, left-padded (the pad id is masked: any)
+    prompt_mask: torch.Tensor  # (G, P) the real prompt tokens
+    resp: torch.Tensor  # (R, T) response token ids, right-padded
+    resp_mask: torch.Tensor  # (R, T) the valid response tokens
+    group: torch.Tensor  # (R,) each response's prompt: its row of prompt
+    sampler_logp: torch.Tensor = None  # (R, T) the sampler's log-probs of the response tokens
+    sampler_entropy: torch.Tensor = None  # (R, T) the sampler's entropies at those tokens
+    lengths: list = None  # each row's valid tokens, float64 on the CPU: (G, n), or G tensors
+    # (n_j,) for groups of unequal n; in training every rank's rows' (the loss's normalisers)
+
+
+def pack_groups(groups: list, dev="cpu") -> "Batch":
+    """One-group Rollouts (Rollouts.group) -> the update's Batch on `dev`: G prompts, left-padded to
+    P, and R = G*n responses, right-padded to T (trailing all-padding columns dropped, at least 2
+    kept: lib/logprobs.response_logprobs always makes its two model calls), each row pointing at
+    its prompt, and `lengths` (G, n), these groups' rows' valid tokens (brorl.pack_rows gives all
+    ranks'); groups of unequal n: R = sum n_j rows and `lengths` a list of G tensors (n_j,). No
+    groups: an empty batch."""
+    G = len(groups)
+    P = max((len(x.prompt_ids[0]) for x in groups), default=1)
+    prompt = torch.zeros(G, P, dtype=torch.long)  # (G, P), pad id irrelevant: masked
+    prompt_mask = torch.zeros(G, P, dtype=torch.bool)  # (G, P)
+    for i, x in enumerate(groups):
+        ids = x.prompt_ids[0]
+        prompt[i, P - len(ids):], prompt_mask[i, P - len(ids):] = torch.tensor(ids), True
+    empty = dict(tokens=torch.long, mask=torch.bool, logp=torch.float32, entropy=torch.float32)
+    # (R, T_max)
+    cat = lambda field: torch.cat([getattr(x, field) for x in groups]
+                                  or [torch.zeros(0, 1, dtype=empty[field])])
+    mask = cat("mask")
+    T = max(int(mask.any(0).nonzero().max()) + 1 if mask.any() else 1, 2)
+    # (R, T), one padding column if T_max = 1
+    rows = lambda field: F.pad(cat(field), (0, 1))[:, :T].to(dev)
+    # (R,)
+    group = torch.arange(G).repeat_interleave(torch.tensor([x.n for x in groups], dtype=torch.long))
+    lengths = mask.sum(1).double()  # (R,) valid tokens per row
+    # (G, n); groups of unequal n (--alloc adaptive): a list of G tensors (n_j,)
+    lengths = (lengths.reshape(G, groups[0].n if groups else 0) if len({x.n for x in groups}) <= 1
+               else list(lengths.split([x.n for x in groups])))
+    return Batch(prompt.to(dev), prompt_mask.to(dev), rows("tokens"), rows("mask"), group.to(dev),
+                 rows("logp"), rows("entropy"), lengths)
+
+

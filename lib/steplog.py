@@ -20,9 +20,7 @@ def step_metrics(stats: StepStats, t_roll, t_upd, upd) -> dict:
     top = torch.stack([g.max() for g in stats.rewards])  # (groups,)
     bottom = torch.stack([g.min() for g in stats.rewards])  # (groups,)
     # --alloc adaptive's statistics; with keys and sets, the prompts a rollout got right.
-    extra = {k: getattr(stats, k) for k in ("alloc_n_min", "alloc_n_median", "alloc_n_max",
-                                            "informative_per_1k", "rollouts_dropped",
-                                            "sampled_right")}
+    extra = {**(vars(stats.alloc) if stats.alloc else {}), "sampled_right": stats.sampled_right}
     return {
         "reward_mean": rewards.mean().item(),
         # The share of generated groups that survived, before the truncation to B.

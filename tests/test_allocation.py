@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import brorl
-from lib import allocation, distributed, policy, steplog
+from lib import allocation, distributed, step, steplog
 from lib.step import StepStats
 import sampler
 from test_brorl import SMALL
@@ -166,10 +166,10 @@ def test_pack_groups_of_unequal_n():
                               entropy=torch.rand(n, 2), truncated=torch.zeros(n, dtype=torch.bool),
                               texts=[""] * n, n=n)
     ro3, ro2 = rollouts([1, 2], [[1, 1], [1, 0], [1, 1]]), rollouts([3], [[1, 1], [1, 1]])
-    batch = policy.pack_groups([ro3, ro2])
-    assert batch["group"].tolist() == [0, 0, 0, 1, 1]
-    assert [x.tolist() for x in batch["lengths"]] == [[2.0, 1.0, 2.0], [2.0, 2.0]]
-    assert policy.pack_groups([ro3, ro3])["lengths"].shape == (2, 3)
+    batch = step.pack_groups([ro3, ro2])
+    assert batch.group.tolist() == [0, 0, 0, 1, 1]
+    assert [x.tolist() for x in batch.lengths] == [[2.0, 1.0, 2.0], [2.0, 2.0]]
+    assert step.pack_groups([ro3, ro3]).lengths.shape == (2, 3)
 
 
 def test_step_metrics_of_unequal_groups_and_of_one_n():

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import brorl
 import data
-from lib import checkpoint, config, harness, samples, setup
+from lib import checkpoint, config, harness, plan, samples, setup
 from test_brorl import run_in_process
 
 HERE = Path(__file__).resolve().parent.parent
@@ -547,7 +547,6 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
     bound cannot decide: the rows past the context and the longest prompt are those of every row
     measured, on short, long, non-ASCII and special-token rows, with and without a chat template."""
     from transformers import AutoTokenizer
-    from lib import planner
     tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
     tok.chat_template = template
     gen = torch.Generator().manual_seed(0)
@@ -556,7 +555,7 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
             for n in torch.randint(1, 40, (600,), generator=gen)]
     for r in rows[::10]:  # a special token's text is one token
         r["prompt"] += "<|endoftext|>" * 3
-    exact = planner.prompt_lengths(tok, rows)
+    exact = setup.prompt_lengths(tok, rows)
     lengths = setup.PromptLengths(tok, rows, "")
     assert all(lo <= n <= hi for lo, n, hi in zip(lengths.lo, exact, lengths.hi))  # the bounds
     for limit in (0, 20, 50, 90, 400):
@@ -572,12 +571,11 @@ def test_the_context_check_measures_few_rows_and_decides_as_measuring_all(templa
 
 def test_the_planner_plans_for_the_longest_prompt_not_a_sample(capsys):
     from transformers import AutoConfig, AutoTokenizer
-    from lib import planner
     rows = [dict(prompt=f"{i}+{i}=") for i in range(2000)] + [dict(prompt="1" * 300)]
     tok = AutoTokenizer.from_pretrained(data.EMBEDDED_MODEL)
     model_config = AutoConfig.from_pretrained(data.EMBEDDED_MODEL)
-    planner.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
-                        report_only=True)
+    plan.plan_memory(brorl.Config(memory_gb=8), model_config, tok, rows, torch.device("cpu"),
+                      report_only=True)
     assert "prompts up to 300 tokens" in capsys.readouterr().out
 
 
@@ -590,7 +588,7 @@ def test_plan_measures_the_held_out_prompts_as_the_run_does(tmp_path, capsys):
                             for q in ("1+0=", "2" * 3000 + "+1=")))
     flags = ["--task", gsm8k_set(tmp_path / "train.jsonl", 8), "--eval_task", f"gsm8k:{held}",
              "--long_prompts", "allow", "--memory_gb", "8"]
-    setup.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
+    plan.plan(brorl.parse_config([*TINY, *flags, "--plan"]))
     planned = capsys.readouterr().out
     brorl.train(brorl.parse_config([*TINY, *flags, "--steps", "0", "--out", str(tmp_path / "r")]))
     run = capsys.readouterr().out
@@ -1036,10 +1034,10 @@ def test_math_verify_parses_each_gold_once_bounds_a_decided_call_and_never_print
 
 def test_the_fields_resume_knows_are_configs():
     """A field renamed or removed from Config leaves none of the resume policy's lists naming it."""
-    from lib import rundir
+    from lib import resume
     fields = {f.name for f in dataclasses.fields(brorl.Config)}
-    assert set(rundir.FIELDS_SINCE_RESUME) | set(rundir.ADDED_FIELDS) <= fields
-    assert set(rundir.FIXED_ON_RESUME) <= fields
+    assert set(resume.FIELDS_SINCE_RESUME) | set(resume.ADDED_FIELDS) <= fields
+    assert set(resume.FIXED_ON_RESUME) <= fields
 
 
 # ----------------------------------------------------------------------------

@@ -28,14 +28,14 @@ HERE = Path(__file__).resolve().parent.parent  # the repository root
 RUNNER = textwrap.dedent('''
     import json, os, sys, torch
     import brorl
-    from lib import diagnostics, distributed, policy, step
+    from lib import diagnostics, distributed, logprobs, policy, step
     calls, norms, rows, idle, packed, kernel = [], [], [], [0], [], {"linear": 0, "logits": 0}
     weights = brorl.loss_weights
     def recording_weights(mask, *a, **k):
         rows.append(mask.shape[0])
         return weights(mask, *a, **k)
     brorl.loss_weights = recording_weights
-    linear, from_logits = policy.linear_logprobs, policy.token_logprobs
+    linear, from_logits = logprobs.linear_logprobs, logprobs.token_logprobs
     def counting_linear(*a, **k):
         kernel["linear"] += 1
         kernel.setdefault("head_dtypes", [])  # the head's weight as each pass sees it (FSDP: as gathered)
@@ -45,7 +45,7 @@ RUNNER = textwrap.dedent('''
     def counting_logits(*a, **k):
         kernel["logits"] += 1
         return from_logits(*a, **k)
-    policy.linear_logprobs, policy.token_logprobs = counting_linear, counting_logits
+    logprobs.linear_logprobs, logprobs.token_logprobs = counting_linear, counting_logits
     pack = brorl.pack_groups
     def counting_pack(kept, *a):
         packed.append(len(kept))

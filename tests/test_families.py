@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 import brorl
 import data
 import sampler
-from lib import planner, policy, setup, step
+from lib import logprobs, plan, planner, policy, step
 from test_brorl import run_in_process
 
 # The families, each a config class and what sets it apart from the common shape. Gemma keeps its
@@ -108,13 +108,13 @@ def test_greedy_tokens_are_generates(family):
 
 def test_sampler_and_update_logprobs_are_a_plain_forwards(family):
     """Sampled at T = 1.3 (5 rollouts a prompt): each response's log-probs from the sampler (cascade
-    decode), and from the update's forward (lib/policy.py: prompts once, left-padded), equal the
+    decode), and from the update's forward (lib/logprobs.py: prompts once, left-padded), equal the
     reference's plain forward's at those tokens."""
     name, _, model, tok, ref = family
     ro = sampler.generate(model, tok, PROMPTS, 5, MAX_NEW, 1.3, 1.0, 4096, [5, 6, 7, 8])
-    batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
+    batch = step.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
     with torch.no_grad():
-        update = policy.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        update = logprobs.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
     for row in range(len(ro.texts)):
         n = int(ro.mask[row].sum())
         want = reference_logprobs(ref, ro.prompt_ids[row // 5], ro.tokens[row, :n].tolist(), 1.3)
@@ -215,5 +215,5 @@ def test_a_config_transformers_refuses_is_one_line(tmp_path, capsys, edit, reaso
     assert code == 2 and err.strip().splitlines() == [line], err[-2000:]
     assert not (tmp_path / "run").exists()
     with pytest.raises(SystemExit) as e:
-        setup.plan(brorl.parse_config(["--model", str(path), "--plan"]))
+        plan.plan(brorl.parse_config(["--model", str(path), "--plan"]))
     assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [line]

@@ -1,5 +1,5 @@
 """kernels.linear_logprobs (log-probs from hidden states, the logits never whole), the trainer's use
-of it (policy.response_logprobs, plain_head), and every Triton kernel compiled for real GPUs.
+of it (logprobs.response_logprobs, plain_head), and every Triton kernel compiled for real GPUs.
 
 Each test asserts against a float64 reference that makes the whole logits (hidden @ W.T, then a
 full log_softmax and torch autograd), or against the logits path of the trainer itself."""
@@ -12,7 +12,7 @@ import torch
 
 from tools import bench_kernels
 import brorl
-from lib import policy
+from lib import logprobs, step
 import kernels
 import sampler
 from kernels import linear_logprobs
@@ -196,7 +196,7 @@ def test_bad_inputs_raise_value_error():
 
 
 # ----------------------------------------------------------------------------
-# The trainer: policy.response_logprobs takes hidden states to linear_logprobs
+# The trainer: logprobs.response_logprobs takes hidden states to linear_logprobs
 
 
 def _tiny_lm(tied, cls_name="Qwen2", **extra):
@@ -217,32 +217,32 @@ def _tiny_lm(tied, cls_name="Qwen2", **extra):
 def test_plain_head_detection():
     for tied in (False, True):
         model, _ = _tiny_lm(tied)
-        assert policy.plain_head(model) is model.get_output_embeddings().weight
-        assert (policy.plain_head(model) is model.get_input_embeddings().weight) == tied
+        assert logprobs.plain_head(model) is model.get_output_embeddings().weight
+        assert (logprobs.plain_head(model) is model.get_input_embeddings().weight) == tied
     cohere, _ = _tiny_lm(True, "Cohere", logit_scale=0.25)  # logits = (h @ W.T) * 0.25
-    assert policy.plain_head(cohere) is None
+    assert logprobs.plain_head(cohere) is None
     for key, value in [("final_logit_softcapping", 30.0), ("logits_scaling", 8.0)]:
         model, _ = _tiny_lm(False)
         setattr(model.config, key, value)
-        assert policy.plain_head(model) is None, key
+        assert logprobs.plain_head(model) is None, key
         setattr(model.config, key, 1.0 if key == "logits_scaling" else None)  # the identity
-        assert policy.plain_head(model) is not None, key
+        assert logprobs.plain_head(model) is not None, key
     model, _ = _tiny_lm(False)
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
-    assert policy.plain_head(model) is None
+    assert logprobs.plain_head(model) is None
 
 
 def _batch(model, tok, n=4):
     ro = sampler.generate(model, tok, ["12+3=", "7+45=", "1+1="], n, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(1))
-    return policy.pack_groups([ro.group(g) for g in range(3)])
+    return step.pack_groups([ro.group(g) for g in range(3)])
 
 
 def _full_forward_logprobs(model, batch, temperature):
     """Log-probs of every response by running prompt + response through model(...).logits, row by row."""
-    out = torch.zeros(batch["resp"].shape, dtype=torch.float64)
-    for r in range(len(batch["resp"])):
-        p = batch["prompt"][batch["group"][r]][batch["prompt_mask"][batch["group"][r]]]
-        resp = batch["resp"][r][batch["resp_mask"][r]]
+    out = torch.zeros(batch.resp.shape, dtype=torch.float64)
+    for r in range(len(batch.resp)):
+        p = batch.prompt[batch.group[r]][batch.prompt_mask[batch.group[r]]]
+        resp = batch.resp[r][batch.resp_mask[r]]
         logits = model(torch.cat([p, resp])[None]).logits[0, len(p) - 1: -1].double()  # (t, V)
         out[r, : len(resp)] = torch.log_softmax(logits / temperature, -1).gather(-1, resp[:, None])[:, 0]
     return out
@@ -255,7 +255,7 @@ def test_response_logprobs_equal_a_full_forward(cls_name, extra):
     model, _ = _tiny_lm(True, cls_name, **extra)
     model.eval()
     with torch.no_grad():
-        logp = policy.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 0.8)
+        logp = logprobs.response_logprobs(model, batch, torch.arange(len(batch.resp)), 0.8)
         ref = _full_forward_logprobs(model, batch, 0.8)
     torch.testing.assert_close(logp.double(), ref, atol=2e-5, rtol=0)
 
@@ -280,11 +280,11 @@ def test_training_with_it_equals_training_on_logits(tied, monkeypatch):
         brorl.update_policy(m, ref, opt, batch, adv, cfg, torch.Generator().manual_seed(0))
         return [p.detach() for p in m.parameters()]
     calls = []
-    real = policy.linear_logprobs
-    monkeypatch.setattr(policy, "linear_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = logprobs.linear_logprobs
+    monkeypatch.setattr(logprobs, "linear_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused = one_step()
     assert calls  # the hidden-state path was taken
-    monkeypatch.setattr(policy, "plain_head", lambda model: None)
+    monkeypatch.setattr(logprobs, "plain_head", lambda model: None)
     plain = one_step()
     start = [p.detach().double() for p in model.parameters()]
     for a, b, s in zip(fused, plain, start):

@@ -1,4 +1,4 @@
-"""LoRA through peft (policy.py): a run trains the adapter alone, saves it in peft's format, resumes it
+"""LoRA through peft (lib/lora.py): a run trains the adapter alone, saves it in peft's format, resumes it
 exactly, --eval_only reads it; the KL's reference shares the base weights; the planner counts it."""
 
 import json
@@ -10,7 +10,7 @@ import torch
 
 import brorl
 import data
-from lib import planner, policy, setup
+from lib import logprobs, lora, plan, planner, policy
 
 SMALL = ["--n_rollouts", "16", "--prompts_per_step", "2", "--eval_prompts", "2", "--eval_samples", "2",
          "--probe_prompts", "2", "--probe_samples", "16", "--max_rows", "256", "--lora_rank", "4", "--lr", "2e-3"]
@@ -47,15 +47,15 @@ def test_lora_reference_is_the_base_then_a_frozen_adapter(tmp_path):
     model, _ = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     x = torch.tensor([[5, 6, 7, 8]])
     base = model(x).logits.detach()  # (1, 4, V)
-    model = policy.add_lora(model, 4, 0, "q_proj,v_proj,down_proj")
+    model = lora.add_lora(model, 4, 0, "q_proj,v_proj,down_proj")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_()  # an adapter that changes the output
     trained = model(x).logits.detach()
-    ref = policy.make_reference(model)
-    assert sum(p.numel() for p in policy.trainable(model)) < sum(p.numel() for p in model.parameters()) // 10
-    with policy.as_reference(ref) as m:
+    ref = lora.make_reference(model)
+    assert sum(p.numel() for p in lora.trainable(model)) < sum(p.numel() for p in model.parameters()) // 10
+    with lora.as_reference(ref) as m:
         torch.testing.assert_close(m(x).logits, base)  # before a reset: the adapter disabled
     ref.load_state_dict(model.state_dict())  # a reset (ProRL): the reference is now the current policy
     with torch.no_grad():
@@ -63,10 +63,10 @@ def test_lora_reference_is_the_base_then_a_frozen_adapter(tmp_path):
             if "lora_B" in name:
                 p.add_(1.0)  # the policy moves on
     moved = model(x).logits.detach()
-    with policy.as_reference(ref) as m:
+    with lora.as_reference(ref) as m:
         torch.testing.assert_close(m(x).logits, trained)  # the frozen copy, not the moved adapter
     torch.testing.assert_close(model(x).logits, moved)  # and the policy's own adapter is back
-    assert policy.plain_head(model) is not None  # the LM head is not a target: the fused log-prob path stays
+    assert logprobs.plain_head(model) is not None  # the LM head is not a target: the fused log-prob path stays
 
 
 @pytest.mark.slow
@@ -77,7 +77,7 @@ def test_eval_only_reads_an_adapter_dir(tmp_path):
     from safetensors.torch import load_file
     saved = load_file(out / "ckpt" / "adapter_model.safetensors")
     params = {k.replace(".default", ""): p for k, p in model.named_parameters() if "lora_" in k}
-    assert policy.is_lora(model) and params.keys() == saved.keys()
+    assert lora.is_lora(model) and params.keys() == saved.keys()
     assert all(torch.equal(params[k], saved[k]) for k in saved)
     report = brorl.eval_only(brorl.parse_config(["--eval_only", "--model", str(out / "ckpt"), "--eval_prompts", "4",
                                                  "--eval_samples", "4", "--out", str(tmp_path / "eval")]))
@@ -88,7 +88,7 @@ def test_lora_without_peft_names_the_package(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed: `import peft` raises ImportError
     model, _ = policy.load_policy(str(data.EMBEDDED_MODEL), torch.device("cpu"))
     with pytest.raises(SystemExit):
-        policy.add_lora(model, 4, 0, "q_proj")
+        lora.add_lora(model, 4, 0, "q_proj")
     assert "--lora_rank: LoRA needs the peft package (pip install peft)" in capsys.readouterr().err
 
 
@@ -109,10 +109,10 @@ def test_plan_7b_fits_80gb_with_lora_and_not_without(tmp_path, capsys):
     args = ["--plan", "--model", str(model), "--memory_gb", "80", "--n_rollouts", "64", "--prompts_per_step", "4",
             "--max_new_tokens", "1024", "--grad_ckpt", "1", "--dtype", "bfloat16", "--device", "cpu"]
     one_gpu = lambda out: out.split("memory plan per rank (8 process(es)")[0]  # --plan: one GPU, then 8 ranks
-    setup.plan(brorl.parse_config(args))
+    plan.plan(brorl.parse_config(args))
     printed = one_gpu(capsys.readouterr().out)
     assert "does not fit on 1 device(s)" in printed and "needs" in printed  # the line names what is short
-    setup.plan(brorl.parse_config([*args, "--lora_rank", "16"]))
+    plan.plan(brorl.parse_config([*args, "--lora_rank", "16"]))
     printed = one_gpu(capsys.readouterr().out)
     assert "does not fit" not in printed and "LoRA adapter" in printed and "update peak" in printed
     mc = json.loads((model / "config.json").read_text())

@@ -3,6 +3,7 @@
 formula written out independently: per sequence and per token, in plain Python loops over float64."""
 
 import ast
+import dataclasses
 import io
 import itertools
 import json
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import brorl
-from lib import objectives, policy, step
+from lib import objectives, step
 import data
 import sampler
 
@@ -227,7 +228,7 @@ def tiny(tmp_path_factory):
     Qwen2ForCausalLM(mc).save_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").eval()
     ro = sampler.generate(model, tok, ["12+3=", "4+56="], 6, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
-    batch = policy.pack_groups([ro.group(g) for g in range(2)])
+    batch = step.pack_groups([ro.group(g) for g in range(2)])
     adv = torch.randn(12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     return path, batch, adv
 
@@ -239,8 +240,8 @@ def _update(tiny, micro_batch, batch=None, **flags):
     path, tiny_batch, adv = tiny
     batch = batch or tiny_batch
     m = AutoModelForCausalLM.from_pretrained(path, attn_implementation="brorl").double().train()
-    old = {**batch, "sampler_logp": batch["sampler_logp"].double() + 0.2 * torch.randn(
-        batch["sampler_logp"].shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)}
+    old = dataclasses.replace(batch, sampler_logp=batch.sampler_logp.double() + 0.2 * torch.randn(
+        batch.sampler_logp.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64))
     cfg = brorl.Config(micro_batch=micro_batch, n_minibatches=1, grad_clip=1e9, old_logp="sampler", max_new_tokens=6,
                        tis_cap=0, **flags)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
@@ -273,8 +274,8 @@ def test_gspo_runs_its_papers_sequence_mean_unless_told_otherwise(tiny):
     assert brorl.parse_config(["--loss", "sapo"]).loss_agg == "sequence"  # TRL's and verl's mean
     _, batch, _ = tiny
     lengths = torch.arange(12) % 6 + 1  # (R,) ragged responses: 1 to 6 tokens
-    mask = batch["resp_mask"] & (torch.arange(batch["resp_mask"].shape[1])[None, :] < lengths[:, None])  # (R, T)
-    ragged = {**batch, "resp_mask": mask, "lengths": mask.sum(1).view(2, 6)}
+    mask = batch.resp_mask & (torch.arange(batch.resp_mask.shape[1])[None, :] < lengths[:, None])  # (R, T)
+    ragged = dataclasses.replace(batch, resp_mask=mask, lengths=mask.sum(1).view(2, 6))
     flags = dict(batch=ragged, loss="gspo", gspo_clip_low=0.05, gspo_clip_high=0.05)
     auto, _ = _update(tiny, 12, **flags)  # Config's default, as a Config built in code gets it
     sequence, _ = _update(tiny, 12, loss_agg="sequence", **flags)
@@ -331,7 +332,7 @@ def test_train_rollouts_advantages_are_over_the_trained_rows(monkeypatch):
     cfg = brorl.Config(n_rollouts=N, train_rollouts=m, prompts_per_step=2, max_new_tokens=6)
     train = [dict(prompt=p, answer="0", task="arith") for p in PROMPTS[:2]]
     metrics = brorl.rl_step(model, model, None, None, tok, cfg, train, random.Random(0), 1, torch.Generator(), 1.0)
-    lengths = torch.stack(seen["batch"]["lengths"]).double()  # (G, m)
+    lengths = torch.stack(seen["batch"].lengths).double()  # (G, m)
     adv = seen["adv"].view(2, m).double()  # (G, m)
     assert lengths.shape == (2, m) and metrics["reward_trained"] == 0.5  # the balanced subsets: 2 right, 2 wrong
     n = lengths.sum()
@@ -365,12 +366,12 @@ def test_pack_groups_keeps_the_chosen_rows(tmp_path):
     ro = sampler.Rollouts(prompt_ids=[[1, 2], [3]], tokens=torch.arange(12).view(6, 2), mask=torch.ones(6, 2, dtype=torch.bool),
                         logp=-torch.rand(6, 2), entropy=torch.rand(6, 2), truncated=torch.zeros(6, dtype=torch.bool),
                         texts=[""] * 6, n=3)
-    full = policy.pack_groups([ro.group(0), ro.group(1)])
-    sub = policy.pack_groups([ro.group(g, keep) for g, keep in enumerate(torch.tensor([[0, 2], [1, 2]]))])
-    assert torch.equal(sub["resp"], ro.tokens[[0, 2, 4, 5]]) and torch.equal(sub["sampler_logp"], ro.logp[[0, 2, 4, 5]])
-    assert sub["group"].tolist() == [0, 0, 1, 1] and sub["lengths"].shape == (2, 2)
-    same = policy.pack_groups([ro.group(g, torch.arange(3)) for g in range(2)])
-    assert all(torch.equal(full[k], same[k]) for k in full if torch.is_tensor(full[k]))
+    full = step.pack_groups([ro.group(0), ro.group(1)])
+    sub = step.pack_groups([ro.group(g, keep) for g, keep in enumerate(torch.tensor([[0, 2], [1, 2]]))])
+    assert torch.equal(sub.resp, ro.tokens[[0, 2, 4, 5]]) and torch.equal(sub.sampler_logp, ro.logp[[0, 2, 4, 5]])
+    assert sub.group.tolist() == [0, 0, 1, 1] and sub.lengths.shape == (2, 2)
+    same = step.pack_groups([ro.group(g, torch.arange(3)) for g in range(2)])
+    assert all(torch.equal(a, b) for a, b in zip(vars(full).values(), vars(same).values()))
 
 
 def test_planner_counts_the_trained_rows_only():

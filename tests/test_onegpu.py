@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import policy
+from lib import logprobs, policy, step
 import data
 
 
@@ -53,15 +53,15 @@ def _embedded_batch(n=16, prompts=3, seed=0):
     examples = data.load_task("arith", "train", n=prompts, seed=seed)
     ro = sampler.generate(model, tok, [e["prompt"] for e in examples], n, 6, 1.0, 1.0, 4096,
                           torch.Generator().manual_seed(seed))
-    return model.train(), policy.pack_groups([ro.group(g) for g in range(prompts)])
+    return model.train(), step.pack_groups([ro.group(g) for g in range(prompts)])
 
 
 def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
     """--grad_ckpt recomputes each decoder layer in the backward: the same gradient as storing every
     activation, and the layers really run twice (the cache must survive the replay)."""
     model, batch = _embedded_batch()
-    rows = torch.randperm(batch["resp"].shape[0], generator=torch.Generator().manual_seed(1))[:37]
-    weights = torch.rand(batch["resp"].shape, generator=torch.Generator().manual_seed(2))[rows]  # ugly upstream grad
+    rows = torch.randperm(batch.resp.shape[0], generator=torch.Generator().manual_seed(1))[:37]
+    weights = torch.rand(batch.resp.shape, generator=torch.Generator().manual_seed(2))[rows]  # ugly upstream grad
     calls = [0]
     attn = model.model.layers[0].self_attn
     attn.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
@@ -69,7 +69,7 @@ def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
     def grads():
         model.zero_grad(set_to_none=True)
         calls[0] = 0
-        (policy.response_logprobs(model, batch, rows, 0.8) * weights).sum().backward()
+        (logprobs.response_logprobs(model, batch, rows, 0.8) * weights).sum().backward()
         return [p.grad.clone() for p in model.parameters()], calls[0]
 
     plain, plain_calls = grads()
@@ -84,7 +84,7 @@ def test_grad_ckpt_gives_the_same_gradient_and_replays_every_layer():
 # sampler.py memory: the KV cache in the compute dtype, drops without a second copy, one sync a token
 
 
-from lib import planner  # noqa: E402
+from tools.memcheck import measure_peak  # noqa: E402
 import sampler  # noqa: E402
 
 
@@ -115,7 +115,7 @@ def test_dropping_rows_copies_one_layer_at_a_time():
     cache = sampler.SharedPrefixCache(prefix, torch.tensor([5, 3]), R // 2)
     layer = cache.k[0].nbytes + cache.v[0].nbytes  # one layer's keys and values, all rows
     live = torch.arange(0, R, 2)  # half the rows survive
-    _, peak = planner.measure_peak(lambda: cache.keep(live), existing=lambda: cache.k + cache.v)
+    _, peak = measure_peak(lambda: cache.keep(live), existing=lambda: cache.k + cache.v)
     assert peak <= layer / 2 + 4096  # one layer's survivors (+ small index tensors), not L of them
     assert all(k.shape[0] == R // 2 for k in cache.k)
 

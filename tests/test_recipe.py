@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import brorl
-from lib import checks, policy, setup, step
+from lib import checks, logprobs, plan, setup, step
 import data
 import sampler
 import verify
@@ -27,13 +27,13 @@ from test_brorl import PROMPTS, random_lm, run_in_process  # noqa: F401  (random
 
 def _batch(model, tok, n=6, seed=5):
     ro = sampler.generate(model, tok, PROMPTS[:3], n, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(seed))
-    return policy.pack_groups([ro.group(g) for g in range(3)])
+    return step.pack_groups([ro.group(g) for g in range(3)])
 
 
 def _update(model, batch, **cfg_kw):
     m = copy.deepcopy(model).train()
     cfg = brorl.Config(**{"n_minibatches": 1, "micro_batch": 7, **cfg_kw})
-    adv = torch.randn(len(batch["resp"]), generator=torch.Generator().manual_seed(6))
+    adv = torch.randn(len(batch.resp), generator=torch.Generator().manual_seed(6))
     return brorl.update_policy(m, None, torch.optim.SGD(m.parameters(), lr=0.0), batch, adv, cfg,
                                torch.Generator().manual_seed(0))
 
@@ -44,8 +44,8 @@ def test_drift_and_tis_weight_are_one_in_float32(random_lm):
     info = _update(model, batch, old_logp="recompute")  # a trainer forward, in float32: the same numbers
     assert 0 <= info["drift_max"] < 1e-5 and info["drift_mean"] <= info["drift_max"]
     with torch.no_grad():
-        old = policy.response_logprobs(model, batch, torch.arange(len(batch["resp"])), 1.0)  # (R, T)
-    w = brorl.tis_weight(old, batch["sampler_logp"], 2.0)[batch["resp_mask"]]
+        old = logprobs.response_logprobs(model, batch, torch.arange(len(batch.resp)), 1.0)  # (R, T)
+    w = brorl.tis_weight(old, batch.sampler_logp, 2.0)[batch.resp_mask]
     assert (w - 1).abs().max() < 1e-5
     assert _update(model, batch, old_logp="sampler")["drift_max"] == 0.0  # the sampler's: 0 by construction
 
@@ -233,7 +233,7 @@ def test_evaluation_scores_each_response_twice(monkeypatch):
 def test_minibatches_split_evenly(random_lm, monkeypatch, n_minibatches, sizes):
     model, tok = random_lm
     ro = sampler.generate(model, tok, PROMPTS[:2], 5, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(9))
-    batch = policy.pack_groups([ro.group(g) for g in range(2)])  # R = 10 rows
+    batch = step.pack_groups([ro.group(g) for g in range(2)])  # R = 10 rows
     seen, weights = [], brorl.loss_weights
     monkeypatch.setattr(brorl, "loss_weights", lambda mask, agg, *a: (seen.append(len(mask)), weights(mask, agg, *a))[1])
     _update(model, batch, n_minibatches=n_minibatches)
@@ -287,7 +287,7 @@ def test_model_revision_is_split_from_a_hub_id(tmp_path):
 
 def test_paper_plan_runs_offline_from_a_config_only_model(tmp_path, capsys):
     model = paper_shaped_model(tmp_path)
-    setup.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
+    plan.plan(brorl.parse_config(["--preset", "paper", "--model", str(model), "--task", "math:assets/math_sample.jsonl",
                                      "--memory_gb", "72", "--dtype", "bfloat16", "--plan"]))
     out = capsys.readouterr().out
     assert "memory plan per rank (1 process(es)" in out and "time per step on one H100" in out  # one GPU

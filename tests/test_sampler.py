@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lib import policy
+from lib import logprobs, step
 import sampler
 from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
 
@@ -60,14 +60,14 @@ def test_sampler_logprobs_equal_training_forward(random_lm, monkeypatch):
         torch.bincount(self.row_group, minlength=self.B).tolist()))
     ro = sampler.generate(model, tok, PROMPTS, 5, 8, 1.3, 1.0, 4096, gen)
     assert any(len(set(c)) > 1 for c in left)  # prompts left with unequal rows: the packed grid was used
-    batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
+    batch = step.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
     with torch.no_grad():
-        logp, ent = policy.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3, with_entropy=True)
+        logp, ent = logprobs.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3, with_entropy=True)
     assert logp.shape == ro.logp[:, : logp.shape[1]].shape
     torch.testing.assert_close(logp, ro.logp[:, : logp.shape[1]], atol=2e-5, rtol=0)
     torch.testing.assert_close(ent, ro.entropy[:, : ent.shape[1]], atol=2e-5, rtol=0)  # the entropy metric too
-    assert (ent[batch["resp_mask"]] > 0).all() and (ent[~batch["resp_mask"]] == 0).all()
-    assert (logp[batch["resp_mask"]] < 0).all() and (logp[~batch["resp_mask"]] == 0).all()
+    assert (ent[batch.resp_mask] > 0).all() and (ent[~batch.resp_mask] == 0).all()
+    assert (logp[batch.resp_mask] < 0).all() and (logp[~batch.resp_mask] == 0).all()
 
 
 def test_every_attention_row_has_a_key(random_lm):
@@ -85,9 +85,9 @@ def test_every_attention_row_has_a_key(random_lm):
     try:
         ro = sampler.generate(model, tok, PROMPTS, 4, 8, 1.3, 1.0, 4096, torch.Generator().manual_seed(2))
         n_sampler = len(seen)
-        batch = policy.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
-        assert not batch["prompt_mask"].all()  # left-padding is there
-        logp = policy.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
+        batch = step.pack_groups([ro.group(g) for g in range(len(PROMPTS))])
+        assert not batch.prompt_mask.all()  # left-padding is there
+        logp = logprobs.response_logprobs(model, batch, torch.arange(len(ro.texts)), 1.3)
         logp.sum().backward()
     finally:
         AttentionInterface.register("brorl", sampler.cascade_attention)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import brorl
-from lib import policy
+from lib import logprobs, step
 import sampler
 from test_brorl import PROMPTS, random_lm  # noqa: F401  (random_lm is a fixture)
 
@@ -26,7 +26,7 @@ def _one_update(model, batch, adv, micro_batch, kl_coef=0.0, old_logp="recompute
 def test_micro_batching_changes_memory_not_the_gradient(random_lm):
     model, tok = random_lm
     ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(3))
-    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    batch = step.pack_groups([ro.group(g) for g in range(3)])
     adv = torch.randn(18, generator=torch.Generator().manual_seed(4))
     full, info = _one_update(model, batch, adv, micro_batch=18, kl_coef=0.1)
     for mb in (1, 5):
@@ -41,7 +41,7 @@ def test_sampler_logp_as_old_policy_gives_the_recompute_update(random_lm):
     the entropy metric must be the recompute's, up to the rounding between the two forwards."""
     model, tok = random_lm
     ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(5))
-    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    batch = step.pack_groups([ro.group(g) for g in range(3)])
     adv = torch.randn(18, generator=torch.Generator().manual_seed(6))
     recomputed, info_r = _one_update(model, batch, adv, micro_batch=7, old_logp="recompute")
     reused, info_s = _one_update(model, batch, adv, micro_batch=7, old_logp="sampler")
@@ -57,12 +57,12 @@ def test_training_gradient_is_bitwise_reproducible(random_lm):
     backward on a CPU does not: runs drifted apart from their first step)."""
     model, tok = random_lm
     ro = sampler.generate(model, tok, PROMPTS[:2], 256, 6, 1.0, 1.0, 4096, torch.Generator().manual_seed(7))
-    batch = policy.pack_groups([ro.group(g) for g in range(2)])
+    batch = step.pack_groups([ro.group(g) for g in range(2)])
     rows = torch.randperm(512, generator=torch.Generator().manual_seed(8))[:384]  # both prompts, shuffled
 
     def grads():
         model.zero_grad(set_to_none=True)
-        policy.response_logprobs(model, batch, rows, 1.0).sum().backward()
+        logprobs.response_logprobs(model, batch, rows, 1.0).sum().backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     first = grads()
@@ -72,11 +72,11 @@ def test_training_gradient_is_bitwise_reproducible(random_lm):
 
 def test_old_logp_auto_recomputes_unless_the_forward_is_float32():
     fp32, bf16 = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).bfloat16()
-    assert policy.uses_sampler_logp(brorl.Config(), fp32)  # float32: the sampler's log-probs
-    assert not policy.uses_sampler_logp(brorl.Config(), bf16)  # bf16 weights: a trainer forward
-    assert not policy.uses_sampler_logp(brorl.Config(dtype="bfloat16"), fp32)  # bf16 autocast: a trainer forward
-    assert policy.uses_sampler_logp(brorl.Config(dtype="bfloat16", old_logp="sampler"), fp32)
-    assert not policy.uses_sampler_logp(brorl.Config(old_logp="recompute"), fp32)
+    assert logprobs.uses_sampler_logp(brorl.Config(), fp32)  # float32: the sampler's log-probs
+    assert not logprobs.uses_sampler_logp(brorl.Config(), bf16)  # bf16 weights: a trainer forward
+    assert not logprobs.uses_sampler_logp(brorl.Config(dtype="bfloat16"), fp32)  # bf16 autocast: a trainer forward
+    assert logprobs.uses_sampler_logp(brorl.Config(dtype="bfloat16", old_logp="sampler"), fp32)
+    assert not logprobs.uses_sampler_logp(brorl.Config(old_logp="recompute"), fp32)
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -98,10 +98,10 @@ def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(
     constant weight (no gradient through it, whatever it is computed from), the k2 KL, 1/T_M. float64."""
     model, tok = random_lm
     ro = sampler.generate(model, tok, PROMPTS[:3], 6, 8, 1.0, 1.0, 4096, torch.Generator().manual_seed(11))
-    batch = policy.pack_groups([ro.group(g) for g in range(3)])
+    batch = step.pack_groups([ro.group(g) for g in range(3)])
     g = torch.Generator().manual_seed(12)
-    batch["sampler_logp"] = batch["sampler_logp"].double() + 0.3 * torch.randn(18, batch["resp"].shape[1], generator=g,
-                                                                                 dtype=torch.float64)  # (R, T)
+    batch.sampler_logp = batch.sampler_logp.double() + 0.3 * torch.randn(18, batch.resp.shape[1], generator=g,
+                                                                         dtype=torch.float64)  # (R, T)
     adv = torch.randn(18, generator=g, dtype=torch.float64)  # (R,)
     load = lambda: type(model).from_pretrained(model.name_or_path, attn_implementation="brorl").double()
     m, ref, start = load().train(), load(), load()
@@ -123,10 +123,10 @@ def test_update_is_the_readmes_loss_with_old_sampler_and_current_policies_apart(
         with torch.no_grad():
             for p, v in zip(now.parameters(), params):
                 p.copy_(v)
-            old = policy.response_logprobs(start, batch, rows, 1.0)  # (r, T) before any update
-            ref_logp = policy.response_logprobs(ref, batch, rows, 1.0)  # (r, T)
-        logp = policy.response_logprobs(now, batch, rows, 1.0)  # (r, T)
-        mask, A, sampler_logp = batch["resp_mask"][rows], adv[rows][:, None], batch["sampler_logp"][rows]
+            old = logprobs.response_logprobs(start, batch, rows, 1.0)  # (r, T) before any update
+            ref_logp = logprobs.response_logprobs(ref, batch, rows, 1.0)  # (r, T)
+        logp = logprobs.response_logprobs(now, batch, rows, 1.0)  # (r, T)
+        mask, A, sampler_logp = batch.resp_mask[rows], adv[rows][:, None], batch.sampler_logp[rows]
         ratio = torch.exp(torch.clamp(logp - old, -20, 20))
         pg = torch.max(-ratio * A, -torch.clamp(ratio, 1 - lo, 1 + hi) * A)
         pg = torch.where(A < 0, torch.min(pg, c * A.abs()), pg)

@@ -28,7 +28,7 @@ Parts:
            machine with CUDA it runs there instead (bf16, the 0.5b model, CUDA graphs; the
            decode step only); CUDA_VISIBLE_DEVICES= keeps it on the CPU.
   lora     rollout tokens/s with a rank-8 LoRA adapter on every attention and MLP projection
-           (policy.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
+           (lora.add_lora), unmerged (brorl's choice: exact, the base weights never rewritten)
            against merged into the weights (peft's merge_adapter), and without an adapter;
            on CUDA in bf16 if available, else this CPU in fp32.
 
@@ -758,11 +758,11 @@ def bench_breadth(path, device, dtype, ns, samples, prompt, new, repeats, tok, p
 
 
 def bench_lora(path, device, dtype, repeats, params, floor, n=512, prompt=64, new=64):
-    from lib import policy
+    from lib import lora
     model, pad = load_model(path, "brorl", device, dtype), AutoTokenizer.from_pretrained(path).pad_token_id
     ids = random_prompt(prompt, seed=1)
     plain = statistics.median(dt for dt, _ in interleaved({"x": lambda: run_ours(model, ids, n, new, pad)}, repeats)["x"])
-    model = policy.add_lora(model, 8, 0, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    model = lora.add_lora(model, 8, 0, "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
 
     def merged():
         model.merge_adapter()

@@ -30,7 +30,9 @@ import torch
 
 import brorl
 from lib import setup, step
-from lib.policy import autocast, pack_groups, response_logprobs
+from lib.logprobs import response_logprobs
+from lib.policy import autocast
+from lib.step import pack_groups
 from sampler import generate
 
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
@@ -96,11 +98,11 @@ def check(cfg, prompts: int, n: int) -> dict:
                           cfg.temperature, cfg.top_p, cfg.max_rows, list(range(prompts)),
                           cfg.system_prompt)
         batch = pack_groups([ro.group(g) for g in range(prompts)], device)
-        rows = torch.arange(len(batch["resp"]), device=device)
+        rows = torch.arange(len(batch.resp), device=device)
         with autocast(cfg, device):
             trainer = response_logprobs(model, batch, rows, cfg.temperature)  # (R, T)
         fp32 = response_logprobs(model, batch, rows, cfg.temperature)  # (R, T), no autocast
-    out = logprob_gaps(batch["sampler_logp"], trainer, fp32, batch["resp_mask"], cfg.clip_low,
+    out = logprob_gaps(batch.sampler_logp, trainer, fp32, batch.resp_mask, cfg.clip_low,
                        cfg.clip_high, cfg.tis_cap)
     out["greedy"] = greedy_agreement(model, tok, cfg, eval_set, device)
     return out

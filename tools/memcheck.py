@@ -5,7 +5,7 @@ rollout (the largest chunk the plan assumes: 4B prompts x N rollouts, and the ev
 one update, and prints each phase's estimate beside its measured peak.
 
 Measured: on CUDA torch.cuda.max_memory_allocated; on a CPU the peak of live tensor bytes
-(planner.measure_peak counts every tensor storage from its creation to its release), plus the
+(measure_peak counts every tensor storage from its creation to its release), plus the
 tensors that exist before the phase (weights, AdamW state, the reference policy; the update's
 batch). Those are counted once: measure_peak is told of them, so an op that returns one of them (in fp32 a
 Linear reads its weight through a transposed view, aten.t; AdamW's step updates weights, m and v in
@@ -21,13 +21,15 @@ import dataclasses
 import json
 import random
 import sys
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import brorl
 import data
 import sampler
-from lib import distributed, planner, policy, setup
+from lib import distributed, lora, plan, planner, policy, setup, step
 
 
 def existing_tensors(model, ref_model, opt, batch=None) -> list:
@@ -49,6 +51,47 @@ def existing_bytes(tensors) -> int:
     return total
 
 
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every tensor storage created while active, until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def _free(self, key, nbytes):
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def track(self, t, nbytes_now=True):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in self.seen:  # a new storage (views share their base's)
+            self.seen.add(key)
+            self.live += st.nbytes() if nbytes_now else 0
+            weakref.finalize(st, self._free, key, st.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.track(t)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measure_peak(fn, existing=lambda: ()):
+    """(fn's result, peak bytes of tensors allocated while fn runs and alive at once, less those of
+    `existing()` it frees meanwhile; a function, so that no reference to them is held here). What
+    existed before (weights, AdamW state) is not counted: add it."""
+    meter = _LiveBytes()
+    for t in existing():
+        meter.track(t, nbytes_now=False)  # counts 0 now, -nbytes when freed
+    with meter:
+        out = fn()
+    return out, meter.peak
+
+
 def peak(fn, device, existing):
     """(fn's result, peak bytes while it runs): on a CPU, the bytes of existing() (the tensors that
     live through the phase) + the peak of the tensors fn makes beside them."""
@@ -59,7 +102,7 @@ def peak(fn, device, existing):
         torch.cuda.synchronize()
         return out, torch.cuda.max_memory_allocated()
     base = existing_bytes(existing())
-    out, p = planner.measure_peak(fn, existing)
+    out, p = measure_peak(fn, existing)
     return out, base + p
 
 
@@ -71,12 +114,12 @@ def check(cfg) -> dict:
     model, tok = policy.load_policy(cfg.model, device)
     if cfg.grad_ckpt:
         policy.enable_grad_ckpt(model)
-    cfg = planner.plan_memory(cfg, model.config, tok, train_set, device)
+    cfg = plan.plan_memory(cfg, model.config, tok, train_set, device)
     cfg = dataclasses.replace(cfg, verifier=setup.pick_verifier(cfg))
     prompt_tokens = max(len(sampler.encode_prompt(tok, e["prompt"]))
                         for e in random.Random(cfg.seed).sample(train_set, min(256, len(train_set))))
     est = planner.peaks(planner.plan(model.config, cfg, prompt_tokens))
-    ref = policy.make_reference(model) if cfg.kl_coef > 0 else None
+    ref = lora.make_reference(model) if cfg.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     gen, gen_cpu = torch.Generator(device=device).manual_seed(0), torch.Generator().manual_seed(0)
     rng = random.Random(cfg.seed)
@@ -95,12 +138,12 @@ def check(cfg) -> dict:
                            cfg.max_rows, gen)
         return ro
     ro, roll = peak(rollout, device, lambda: existing_tensors(model, ref, opt))
-    batch = policy.pack_groups([ro.group(g) for g in range(cfg.prompts_per_step)], device)
-    adv = torch.randn(batch["resp"].shape[0], generator=gen_cpu).to(device)
+    batch = step.pack_groups([ro.group(g) for g in range(cfg.prompts_per_step)], device)
+    adv = torch.randn(batch.resp.shape[0], generator=gen_cpu).to(device)
     model.train()
     del ro
     _, upd = peak(lambda: brorl.update_policy(model, ref, opt, batch, adv, cfg, gen_cpu), device,
-                  lambda: existing_tensors(model, ref, opt, {**batch, "adv": adv}))
+                  lambda: existing_tensors(model, ref, opt, {**vars(batch), "adv": adv}))
     return {"rollout": (est["rollout"], roll), "update": (est["update"], upd)}
 
 

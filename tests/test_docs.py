@@ -1379,7 +1379,7 @@ def test_the_smollm2_bf16_figures_are_the_raw_files():
     pb, pf = rows("pair-bf16-seed0.jsonl"), rows("pair-fp32-seed0.jsonl")
     phase = lambda r, k: sum(x.get(k, 0) for x in r)
     assert (f"{cpu(pb)} against {cpu(pf)} CPU s a step, **{float(cpu(pb)) / float(cpu(pf)):.2f}x** "
-            f"(rollout {phase(pb, 'time_rollout') / phase(pf, 'time_rollout'):.2f}x, update "
+            f"(wall: rollout {phase(pb, 'time_rollout') / phase(pf, 'time_rollout'):.2f}x, update "
             f"{phase(pb, 'time_update') / phase(pf, 'time_update'):.2f}x)") in flat
     floors = {}
     for line in (raw / "pair-floors.txt").read_text().splitlines()[1:]:
@@ -1395,7 +1395,7 @@ def test_the_smollm2_bf16_figures_are_the_raw_files():
         line.strip().rsplit(": ", 1) for line in
         (raw / "keep-freed-memory" / f"{n}-time.txt").read_text().splitlines())) for n in ("on", "off")}
     (on, t_on), (off, t_off) = keep["on"], keep["off"]
-    gb = lambda t: int(t["Maximum resident set size (kbytes)"]) / 1e6
+    gb = lambda t: int(t["Maximum resident set size (kbytes)"]) * 1024 / 1e9  # GNU time's KiB
     assert (f"{on:.1f} against {off:.1f} CPU s, system {float(t_on['System time (seconds)']):.1f} "
             f"against {float(t_off['System time (seconds)']):.1f} s, peak RSS {gb(t_on):.2f} against "
             f"{gb(t_off):.2f} GB") in flat

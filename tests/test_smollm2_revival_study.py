@@ -68,12 +68,16 @@ def test_at_the_cap_the_branch_says_no_plateau_and_judges_the_windows_mean():
     record = srs.cap_record(srs.plateau_test(r), r)
     assert (record["step"], record["plateau"], record["verdict"]) == (300, False, "cap")
     assert record["window_pass1_mean"] == pytest.approx(statistics.fmean(rising[-6:]))
+    flat_test = srs.plateau_test(rows(flat(0.5, 7), flat(0.5, 7)))  # any tested window's record
     # the last evaluation at 0.96 in a window whose mean is 0.93: not a saturation
     last_high = [0.93, 0.92, 0.93, 0.92, 0.92, 0.96]
-    assert srs.cap_record({}, rows(last_high, flat(0.5, 6)))["verdict"] == "cap"
+    assert srs.cap_record(flat_test, rows(last_high, flat(0.5, 6)))["verdict"] == "cap"
     high = [0.96, 0.95, 0.97, 0.96, 0.95, 0.94]
-    assert srs.cap_record({}, rows(high, flat(0.5, 6)))["verdict"] == "saturated"
-    assert srs.cap_record({}, rows(flat(0.03, 6), flat(0.5, 6)))["verdict"] == "wall"
+    assert srs.cap_record(flat_test, rows(high, flat(0.5, 6)))["verdict"] == "saturated"
+    assert srs.cap_record(flat_test, rows(flat(0.03, 7), flat(0.5, 7)))["verdict"] == "wall"
+    # a cap before the window (step 50 < 60) is no branch point: nothing to write
+    early = rows(flat(0.5, 6), flat(0.5, 6))
+    assert srs.cap_record(srs.plateau_test(early), early) == {}
 
 
 @pytest.mark.parametrize("verdict", ["saturated", "wall"])

@@ -121,7 +121,10 @@ def cap_record(test: dict, rows: list) -> dict:
     holds, fixed at step 200 before any later evaluation was read: the census runs at the cap's
     checkpoint all the same, and the record says that no plateau held (verdict "cap"); a
     saturation or a wall is judged on the window's mean held-out pass@1 (one evaluation is too
-    noisy to tell)."""
+    noisy to tell; the plateau's verdict, fixed first, reads its last). None ({}) if the cap comes
+    before the rule could be tested (fewer than WINDOW steps): no branch point then."""
+    if "pass1" not in test:
+        return {}
     evals = [r for r in rows if "eval_pass@1" in r]
     window = [r["eval_pass@1"] for r in evals if r["step"] > evals[-1]["step"] - WINDOW]
     level = statistics.fmean(window)
@@ -185,10 +188,9 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
         if done >= max_steps or spent >= cap:
             print(f"trunk: stopped without a plateau at step {done} ({spent:.0f} CPU s; "
                   f"--max_steps {max_steps}, --trunk_cap {cap})", flush=True)
-            if not done:
-                return {}
-            record = cap_record(test, rows)
-            write_atomic(raw / "trunk" / "plateau.json", json.dumps(record, indent=1) + "\n")
+            record = cap_record(test, rows) if done else {}
+            if record:
+                write_atomic(raw / "trunk" / "plateau.json", json.dumps(record, indent=1) + "\n")
             return record
         run.advance(done)
 

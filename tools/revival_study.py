@@ -146,19 +146,6 @@ def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int,
                             out / f"{name}.log")
 
 
-def check_trunk_raw(raw: Path, n: int):
-    """The trunk's raw files already there: this trunk's (its metrics.jsonl's flags), readable,
-    the plateau's record whole; else one line."""
-    folder, flags = raw / trunk_name(n), trunk_flags(n)
-    if (folder / "metrics.jsonl").is_file():
-        rows = study.raw_rows(folder / "metrics.jsonl")
-        if rows[0].get("argv") != flags:
-            fail(f"{folder / 'metrics.jsonl'}: another trunk's rows (its flags "
-                 f"{rows[0].get('argv')}, not {flags}); give another --raw")
-    if (folder / "plateau.json").is_file():
-        study.read_json(folder / "plateau.json", PLATEAU_KEYS)
-
-
 def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float, window: int,
           n: int = N_PROMPTS) -> dict:
     """ProRL's shape until the plateau, in chunks, each a --resume of the last: after each recorded
@@ -763,7 +750,7 @@ def main(argv=None):
             early(out, raw, a.seeds, a.branch_steps, a.cap)
         return
     study.read_raw(raw, groups=("arms",))
-    check_trunk_raw(raw, a.prompts)
+    study.check_trunk_raw(raw / trunk_name(a.prompts), trunk_flags(a.prompts), PLATEAU_KEYS)
     run = trunk_run(out, raw, a.chunk, a.max_steps, a.prompts)
     if a.only in (None, "trunk"):
         run.check()

@@ -157,18 +157,6 @@ def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int) -> study.Chunked
                             out / "trunk.log")
 
 
-def check_trunk_raw(raw: Path):
-    """The trunk's raw files already there are this trunk's and readable; else one line."""
-    folder = raw / "trunk"
-    if (folder / "metrics.jsonl").is_file():
-        rows = study.raw_rows(folder / "metrics.jsonl")
-        if rows[0].get("argv") != TRUNK_FLAGS:
-            fail(f"{folder / 'metrics.jsonl'}: another trunk's rows (its flags "
-                 f"{rows[0].get('argv')}, not {TRUNK_FLAGS}); give another --raw")
-    if (folder / "plateau.json").is_file():
-        study.read_json(folder / "plateau.json", PLATEAU_KEYS)
-
-
 def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
     """ProRL's shape until the plateau, chunk by chunk: after each recorded chunk the raw metrics
     rewritten and the rule tested. Returns the plateau record, or {} if the trunk stopped first."""
@@ -369,7 +357,7 @@ def main(argv=None):
         print(text)
         return
     study.check_folder("--out", out)
-    check_trunk_raw(raw)
+    study.check_trunk_raw(raw / "trunk", TRUNK_FLAGS, PLATEAU_KEYS)
     run = trunk_run(out, raw, a.chunk, a.max_steps)
     run.check()
     study.make_folders(raw, out)

@@ -317,6 +317,18 @@ def read_json(path: Path, keys=()) -> dict:
     return obj
 
 
+def check_trunk_raw(folder: Path, flags: list, keys=()):
+    """A trunk's raw files already in `folder`: its metrics.jsonl this trunk's (the flags its first
+    row names) and readable, its plateau.json a whole record with `keys`; else one line."""
+    if (folder / "metrics.jsonl").is_file():
+        rows = raw_rows(folder / "metrics.jsonl")
+        if rows[0].get("argv") != flags:
+            fail(f"{folder / 'metrics.jsonl'}: another trunk's rows (its flags "
+                 f"{rows[0].get('argv')}, not {flags}); give another --raw")
+    if (folder / "plateau.json").is_file():
+        read_json(folder / "plateau.json", keys)
+
+
 def read_jsonl(path: Path, keys=()) -> list:
     """A JSON-lines file a study wrote (a chunked run's records), each line an object with `keys`;
     else one line naming the file and the line."""

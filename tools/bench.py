@@ -848,6 +848,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # On a CPU, freed memory kept as brorl.py's runs keep it (lib/setup.keep_freed_memory), in this
+    # process (the sampler part, both its sides) and in the step part's children.
+    kept = not torch.cuda.is_available() and setup.keep_freed_memory()
     if args.child:
         return step_child(args)
     if args.save and args.model:  # what TRL's side needs of a real model (tools/bench_trl.sh)
@@ -866,7 +869,8 @@ def main(argv=None):
     amp = torch.bfloat16 if args.dtype == "bfloat16" and not gpu else None
     # OpenMP's wait policy moves every CPU figure (docs/results/speed.md#openmps-wait-policy): say which one this run had
     print(f"torch {torch.__version__}, {device}, {dtype}, {torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}")
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: spin, then sleep)')}"
+          + (", freed memory kept (glibc mallopt, as a brorl.py run)" if kept else ""))
     with tempfile.TemporaryDirectory() as tmp:
         path, prompts, prompt = Path(tmp), Path(tmp) / "prompts.json", None
         if args.model:  # its weights as saved; its prompts from --task; each N of --ns

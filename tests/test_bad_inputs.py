@@ -1426,4 +1426,4 @@ def test_a_second_driver_on_one_out_is_one_line(tmp_path, capsys):
                                 text=True)
     line = one_line(holder.returncode, holder.stderr)
     assert line == (f"error: --out {out}: another study driver (pid {os.getpid()}) is using it; "
-                    "wait for it to end, or give another --out"), line
+                    "wait for it to end (or stop it), or give another --out"), line

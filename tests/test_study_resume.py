@@ -99,6 +99,36 @@ def test_a_rerun_brings_the_run_back_to_its_last_recorded_chunk(tmp_path, capsys
     assert study.lock_holder(run_dir) == "" and chunked(run_dir, [10]).done() == 10
 
 
+def test_a_run_a_driver_started_holds_the_driver_lock_to_its_end(tmp_path, capsys):
+    """A process a driver starts (study.run_child) holds <out>/.study.lock from before it runs:
+    once the driver has let go (as a killed one does), a second driver is refused in one line
+    until that process ends, then goes on. Without it, a rerun started in the instant between a
+    killed driver's spawn and its child's own run lock would race the child."""
+    import threading
+    out, started, release = tmp_path / "out", tmp_path / "started", tmp_path / "release"
+    out.mkdir()
+    child = ("import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch()\n"
+             "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.01)")
+    codes = []
+    with study.DriverLock(out), open(tmp_path / "log", "w") as log:
+        run = threading.Thread(target=lambda: codes.append(study.run_child(
+            [sys.executable, "-c", child, str(started), str(release)], log)))
+        run.start()
+        wait_for(started.exists)
+    try:
+        assert study.lock_holder(out, ".study.lock") == str(os.getpid())
+        with pytest.raises(SystemExit) as stop:
+            study.DriverLock(out).__enter__()
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and "is using it" in err, err
+    finally:
+        release.touch()
+        run.join()
+    assert codes == [0] and study.lock_holder(out, ".study.lock") == ""
+    with study.DriverLock(out):
+        pass
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -177,7 +207,7 @@ def test_a_killed_study_reruns_to_the_uninterrupted_one(tmp_path, uninterrupted,
         assert study.ChunkedRun.checkpoint_step(out / "trunk-2") == 20
         assert [json.loads(x)["steps_to"] for x in
                 (raw / "trunk-2" / "chunks.jsonl").read_text().splitlines()] == [10]
-    wait_for(lambda: not child_pid(out))
+    wait_for(lambda: not study.lock_holder(out, ".study.lock"))  # a child the driver left
     rerun = finish(out, raw)
     if kill == "driver mid-chunk":
         assert "holds an unrecorded chunk; rolled back to step 10" in rerun, rerun

@@ -106,7 +106,6 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
     stopped; a census that cannot go on (end_census_problem) stops the driver first, in one line.
     Returns the lines of those that failed."""
     import concurrent.futures
-    import subprocess
     import sys
     todo = [(arm, s) for arm, s in censuses_to_do(arms, seeds, first, raw)
             if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()]
@@ -120,8 +119,7 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
                 "--", *CENSUS_FLAGS, "--model", str(ckpt)]
         print(f"census of {arm} seed {s}: {' '.join(argv[1:])}", flush=True)
         with open(log, "a") as f:
-            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                                  env=study.thread_env(1)).returncode
+            code = study.run_child(argv, f)
         line = f"census of {arm} seed {s}: " + ("done" if code == 0 else
                                                  f"failed (exit {code}), {log}")
         print(line, flush=True)

@@ -92,12 +92,12 @@ def make_folders(*paths: Path):
 # Locks: the driver's on its --out, and a run's (brorl.py's <run>/.lock), probed
 
 
-def lock_holder(run_dir: Path) -> str:
-    """The pid of a live process holding the run directory's lock (brorl.py's <run>/.lock, flocked
-    for a run's life), or '': a shared probe of the flock, let go at once; the file a dead run left
-    is free."""
+def lock_holder(run_dir: Path, name: str = ".lock") -> str:
+    """The pid written in the lock file run_dir/name (brorl.py's <run>/.lock, flocked for a run's
+    life; a driver's <out>/.study.lock) if a live process holds it, or '': a shared probe of the
+    flock, let go at once; the file a dead process left is free."""
     try:
-        fd = os.open(run_dir / ".lock", os.O_RDONLY)
+        fd = os.open(run_dir / name, os.O_RDONLY)
     except (FileNotFoundError, NotADirectoryError):
         return ""
     try:
@@ -139,7 +139,11 @@ def refuse_live_runs(run_dirs: list):
 
 class DriverLock:
     """`with DriverLock(out):` <out>/.study.lock flocked around a driver's work: a second driver on
-    the same --out is refused (the kernel drops the lock however the driver ends)."""
+    the same --out is refused. Every process the driver starts (run_child) holds the lock with it,
+    from before it runs: a driver killed while a run it started goes on leaves --out locked until
+    that run ends, never free in the instant before the run has taken its own run directory's lock.
+    The kernel drops the lock when the last of them ends, however it ends."""
+    held: tuple = ()  # the lock files' descriptors this process holds, passed to its children
 
     def __init__(self, out: Path):
         self.out = out
@@ -151,14 +155,36 @@ class DriverLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            fail(f"--out {self.out}: another study driver (pid {holder}) is using it; wait for "
-                 "it to end, or give another --out")
+            who = (f"another study driver (pid {holder})" if pid_alive(holder) else
+                   f"a run that a stopped study driver (pid {holder}) started")
+            fail(f"--out {self.out}: {who} is using it; wait for it to end (or stop it), or give "
+                 "another --out")
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        DriverLock.held = (*DriverLock.held, self.fd)
         return self
 
     def __exit__(self, *_):
+        DriverLock.held = tuple(fd for fd in DriverLock.held if fd != self.fd)
         os.close(self.fd)
+
+
+def pid_alive(pid: str) -> bool:
+    """Whether a process of that pid (a number as text) lives; False for anything else."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
+
+
+def run_child(argv: list, log, cwd=None) -> int:
+    """argv run on one thread, its output to the open file log; its exit status. It holds the
+    driver's lock (DriverLock) for its life."""
+    return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(1), cwd=cwd,
+                          pass_fds=DriverLock.held).returncode
 
 
 # ----------------------------------------------------------------------------
@@ -199,8 +225,7 @@ def run_to_raw(job: Job) -> int:
     job.run_dir.parent.mkdir(parents=True, exist_ok=True)
     job.log.parent.mkdir(parents=True, exist_ok=True)
     with open(job.log, "w") as log:
-        code = subprocess.run([sys.executable, str(BRORL), *job.argv], stdout=log,
-                              stderr=subprocess.STDOUT, env=thread_env(1)).returncode
+        code = run_child([sys.executable, str(BRORL), *job.argv], log)
     if code == 0:
         job.raw_file.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(job.raw_file, raw_text(read_rows(job.run_dir), job.argv))
@@ -514,8 +539,7 @@ class ChunkedRun:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "a") as f:
-            code = subprocess.run([sys.executable, str(BRORL), *argv], stdout=f,
-                                  stderr=subprocess.STDOUT, env=thread_env(1)).returncode
+            code = run_child([sys.executable, str(BRORL), *argv], f)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         if code != 0:  # (a run's failure, not a bad input: exit status 1)
             sys.exit(f"error: {self.name}: its chunk to step {target} failed (exit {code}): "

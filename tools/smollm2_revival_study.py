@@ -44,16 +44,21 @@ each chunk, the trunk's flags in its first row), trunk/chunks.jsonl (each chunk'
 seconds), trunk/plateau.json (the rule's numbers at the branch point), census-plateau/ (the census
 and go.json), arms/<arm>/seed<S>.jsonl (each arm run's metrics.jsonl), census-arms/<arm>/seed<S>/.
 
+Testbeds (TESTBEDS, --testbed): add2, the preset's two-digit sums from the pretrained model, its
+files at the top of --raw and --out; add3, fixed after add2's no-go, before its trunk ran:
+three-digit sums from add2's branch point, a 100-step plateau window, its files under add3/.
+
   python -m tools.smollm2_revival_study --out runs/smollm2-revival               # trunk, census
   python -m tools.smollm2_revival_study --out runs/smollm2-revival --only trunk
+  python -m tools.smollm2_revival_study --testbed add3                            # the second
   python -m tools.smollm2_revival_study --report                                  # the tests
 """
 
 import argparse
 import json
 import statistics
-import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from lib.errors import fail
@@ -73,6 +78,35 @@ TRUNK_FLAGS = ["--preset", "smollm2", "--dtype", "bfloat16", "--eval_every", str
                "--eval_prompts", "128", "--eval_samples", "8", "--probe_prompts", "48",
                "--probe_samples", "16", "--seed", "0"]
 PLATEAU_KEYS = ("step", "pass1", "mass", "plateau", "verdict")
+
+
+@dataclass(frozen=True)
+class Testbed:
+    """A trunk, its census and (on a go) its arms, under <raw>/<folder> and <out>/<folder>."""
+    folder: str  # "": at the top of --raw and --out
+    task: tuple  # flags beyond TRUNK_FLAGS (the trunk's, the census's and the arms')
+    window: int  # the plateau rule's trailing steps
+    start: str = ""  # the testbed from whose branch point (weights, AdamW moments) the trunk starts
+
+
+TESTBEDS = {
+    "add2": Testbed("", (), WINDOW),
+    # Fixed after add2's census, before this trunk ran: add2's trunk reached its cap and its census
+    # was a no-go, 49 of 64 prompts right in all 512 samples (mean Q 0.953): the saturation for
+    # which the task is made harder, once. Three-digit sums (assets/smollm2/add3.jsonl, drawn as
+    # add2's), continued from add2's branch point (its step 300 scored 0.572 held-out pass@1 on
+    # them, pass@8 0.672: room above and a reach below), so that the format is not learnt again.
+    # Its window is 100 steps (eleven evaluations): at add2's evaluation noise a 60-step window's
+    # slope intervals were +-0.11 to +-0.27 a 100 steps, wider than the bound they had to fit in.
+    "add3": Testbed("add3", ("--task", "math:assets/smollm2/add3.jsonl"), 100, start="add2"),
+}
+
+
+def trunk_flags(bed: Testbed, out_root: Path) -> list:
+    """A testbed's trunk's flags: TRUNK_FLAGS, its task's, and where it starts from."""
+    start = (["--init_from", str(out_root / TESTBEDS[bed.start].folder / "trunk-branch"),
+              "--init_optimizer"] if bed.start else [])
+    return [*TRUNK_FLAGS, *bed.task, *start]
 # The arms, from the plateau's checkpoint with its AdamW moments, one run a seed. N = 256, not 512:
 # the largest N whose two arms fit the plan at 5 seeds (docs/results/smollm2-revival.md).
 STEPS, BIG = 4, 256
@@ -87,8 +121,10 @@ ARMS = {  # name: (flags, steps)
 END_PROMPTS, END_SAMPLES = 48, 256  # each arm's end censused on the plateau census's first 48
 # The effects each test's power is computed for, fixed before any arm ran: a held-out pass@1 or a
 # census pass@k of +0.05, and one more reach prompt lifted to >= 1/16.
-EFFECT = {"held-out pass@1": 0.05, "pass@1": 0.05, "pass@16": 0.05, "pass@256": 0.05,
-          "reach prompts lifted": 1.0}
+# The lenient measures (the last number of a response read as its answer, whatever its form) beside
+# the rules' say how much of a difference is the answer's form and how much its sum.
+EFFECT = {"held-out pass@1": 0.05, "held-out lenient pass@1": 0.05, "pass@1": 0.05,
+          "lenient pass@1": 0.05, "pass@16": 0.05, "pass@256": 0.05, "reach prompts lifted": 1.0}
 
 
 def slope_test(points: list) -> dict:
@@ -99,12 +135,13 @@ def slope_test(points: list) -> dict:
                 flat=lo <= 0 <= hi and -SLOPE_BOUND <= lo and hi <= SLOPE_BOUND)
 
 
-def plateau_test(rows: list) -> dict:
-    """The plateau rule at the trunk's last evaluation (the module's docstring)."""
+def plateau_test(rows: list, steps: int = WINDOW) -> dict:
+    """The plateau rule at the trunk's last evaluation (the module's docstring), over a trailing
+    window of `steps` steps."""
     evals = [r for r in rows if "eval_pass@1" in r and "mass_mean" in r]
     last = evals[-1]["step"]
-    window = [r for r in evals if r["step"] > last - WINDOW]
-    if last < WINDOW or len(window) < 3:
+    window = [r for r in evals if r["step"] > last - steps]
+    if last < steps or len(window) < 3:
         return dict(step=last, plateau=False)
     pass1 = slope_test([(r["step"], r["eval_pass@1"]) for r in window])
     mass = slope_test([(r["step"], r["mass_mean"]) for r in window])
@@ -116,17 +153,17 @@ def plateau_test(rows: list) -> dict:
                 plateau=plateau, verdict=verdict)
 
 
-def cap_record(test: dict, rows: list) -> dict:
+def cap_record(test: dict, rows: list, steps: int = WINDOW) -> dict:
     """The branch point when the trunk reaches its cap (--max_steps or --trunk_cap) before the rule
     holds, fixed at step 200 before any later evaluation was read: the census runs at the cap's
     checkpoint all the same, and the record says that no plateau held (verdict "cap"); a
     saturation or a wall is judged on the window's mean held-out pass@1 (one evaluation is too
     noisy to tell; the plateau's verdict, fixed first, reads its last). None ({}) if the cap comes
-    before the rule could be tested (fewer than WINDOW steps): no branch point then."""
+    before the rule could be tested (fewer than its window's steps): no branch point then."""
     if "pass1" not in test:
         return {}
     evals = [r for r in rows if "eval_pass@1" in r]
-    window = [r["eval_pass@1"] for r in evals if r["step"] > evals[-1]["step"] - WINDOW]
+    window = [r["eval_pass@1"] for r in evals if r["step"] > evals[-1]["step"] - steps]
     level = statistics.fmean(window)
     verdict = "saturated" if level >= SATURATED else "wall" if level <= WALL else "cap"
     return {**test, "plateau": False, "window_pass1_mean": level, "verdict": verdict}
@@ -149,24 +186,26 @@ def reach_count(records: list) -> dict:
 # The trunk and the census
 
 
-def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int) -> study.ChunkedRun:
+def trunk_run(out: Path, raw: Path, chunk: int, max_steps: int,
+              flags: list = TRUNK_FLAGS) -> study.ChunkedRun:
     """The trunk as a chunked run: <out>/trunk, its chunks recorded in <raw>/trunk/chunks.jsonl,
     its checkpoint at the last recorded chunk copied to <out>/trunk-branch."""
-    return study.ChunkedRun("trunk", out / "trunk", TRUNK_FLAGS, chunk, max_steps,
+    return study.ChunkedRun("trunk", out / "trunk", flags, chunk, max_steps,
                             raw / "trunk" / "chunks.jsonl", lambda step: out / "trunk-branch",
                             out / "trunk.log")
 
 
-def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
+def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float,
+          flags: list = TRUNK_FLAGS, window: int = WINDOW) -> dict:
     """ProRL's shape until the plateau, chunk by chunk: after each recorded chunk the raw metrics
     rewritten and the rule tested. Returns the plateau record, or {} if the trunk stopped first."""
-    run = trunk_run(out, raw, chunk, max_steps)
+    run = trunk_run(out, raw, chunk, max_steps, flags)
     while True:
         done = run.done()
         if done:
             rows = run.rows(done)
-            write_atomic(raw / "trunk" / "metrics.jsonl", study.raw_text(rows, TRUNK_FLAGS))
-            test = plateau_test(rows)
+            write_atomic(raw / "trunk" / "metrics.jsonl", study.raw_text(rows, flags))
+            test = plateau_test(rows, window)
             print(f"trunk step {done}: held-out pass@1 {rows[-1].get('eval_pass@1')}, probe Q "
                   f"{rows[-1].get('mass_mean')}; plateau rule: {json.dumps(test)}", flush=True)
             if test["plateau"]:
@@ -176,29 +215,28 @@ def trunk(out: Path, raw: Path, chunk: int, max_steps: int, cap: float) -> dict:
         if done >= max_steps or spent >= cap:
             print(f"trunk: stopped without a plateau at step {done} ({spent:.0f} CPU s; "
                   f"--max_steps {max_steps}, --trunk_cap {cap})", flush=True)
-            record = cap_record(test, rows) if done else {}
+            record = cap_record(test, rows, window) if done else {}
             if record:
                 write_atomic(raw / "trunk" / "plateau.json", json.dumps(record, indent=1) + "\n")
             return record
         run.advance(done)
 
 
-def census_argv(out: Path, raw: Path, first: int) -> list:
+def census_argv(out: Path, raw: Path, first: int, task: tuple = ()) -> list:
     """The plateau census's command: the trunk's prompts and sampling, its branch checkpoint."""
     return [sys.executable, "-m", "tools.census", "--out", str(raw / "census-plateau"),
             "--samples", "512", "--first", str(first), "--", "--preset", "smollm2", "--dtype",
-            "bfloat16", "--eval_prompts", "128", "--model",
+            "bfloat16", "--eval_prompts", "128", *task, "--model",
             str(out / "trunk-branch" / "ckpt")]
 
 
-def plateau_census(out: Path, raw: Path, first: int) -> dict:
+def plateau_census(out: Path, raw: Path, first: int, task: tuple = ()) -> dict:
     """The census at the plateau (resumable: tools/census.py goes on from its recorded prompts),
     then the go/no-go written beside it."""
-    argv = census_argv(out, raw, first)
+    argv = census_argv(out, raw, first, task)
     print("census: " + " ".join(argv[1:]), flush=True)
     with open(out / "census-plateau.log", "a") as f:
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                              env=study.thread_env(1), cwd=HERE).returncode
+        code = study.run_child(argv, f, cwd=HERE)
     if code != 0:
         sys.exit(f"error: the plateau census failed (exit {code}): {out / 'census-plateau.log'}")
     records = census.load(raw / "census-plateau")
@@ -212,11 +250,11 @@ def plateau_census(out: Path, raw: Path, first: int) -> dict:
 # The arms and their end censuses
 
 
-def arm_argv(arm: str, seed: int, out: Path) -> list:
+def arm_argv(arm: str, seed: int, out: Path, task: tuple = ()) -> list:
     """One arm run's flags: the trunk's from its branch checkpoint (weights and AdamW moments), the
     arm's, its seed; evaluated at its start and end."""
     flags, steps = ARMS[arm]
-    argv = [*TRUNK_FLAGS]
+    argv = [*TRUNK_FLAGS, *task]
     for flag, value in [("--seed", str(seed)), ("--eval_every", str(steps)),
                         *zip(flags[::2], flags[1::2])]:  # the trunk's value replaced, or added
         if flag in argv:
@@ -227,23 +265,24 @@ def arm_argv(arm: str, seed: int, out: Path) -> list:
             "--steps", str(steps), "--out", str(out / "arms" / arm / f"seed{seed}")]
 
 
-def arm_jobs(out: Path, raw: Path, seeds: list) -> list:
+def arm_jobs(out: Path, raw: Path, seeds: list, task: tuple = ()) -> list:
     """Every arm's runs, seed by seed (a study cut short is balanced)."""
-    return [study.Job(f"{arm} seed {s}", arm_argv(arm, s, out), out / "arms" / arm / f"seed{s}",
+    return [study.Job(f"{arm} seed {s}", arm_argv(arm, s, out, task),
+                      out / "arms" / arm / f"seed{s}",
                       raw / "arms" / arm / f"seed{s}.jsonl", out / "arms" / f"{arm}-seed{s}.log")
             for s in seeds for arm in ARMS]
 
 
-def end_census_argv(arm: str, seed: int, out: Path, raw: Path) -> list:
+def end_census_argv(arm: str, seed: int, out: Path, raw: Path, task: tuple = ()) -> list:
     """The census of an arm run's end: the plateau census's prompts, seed and flags."""
-    argv = census_argv(out, raw, END_PROMPTS)
+    argv = census_argv(out, raw, END_PROMPTS, task)
     argv[argv.index("--out") + 1] = str(raw / "census-arms" / arm / f"seed{seed}")
     argv[argv.index("--samples") + 1] = str(END_SAMPLES)
     argv[-1] = str(out / "arms" / arm / f"seed{seed}" / "ckpt")
     return argv
 
 
-def arms(out: Path, raw: Path, seeds: list, jobs: int):
+def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
     """Every arm's runs, `jobs` at a time (a rerun skips those whose raw file exists), then each
     finished run's end census, one at a time (each goes on from its recorded prompts)."""
     if not (out / "trunk-branch" / "ckpt").is_dir() or not (raw / "census-plateau" /
@@ -252,14 +291,13 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int):
              f"{out / 'trunk-branch' / 'ckpt'}): run the trunk and the census first")
     if not json.loads((raw / "census-plateau" / "go.json").read_text())["go"]:
         fail(f"{raw / 'census-plateau' / 'go.json'}: a no-go; the arms do not run")
-    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds), jobs))
+    study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, task), jobs))
     for s in seeds:
         for arm in ARMS:
-            argv = end_census_argv(arm, s, out, raw)
+            argv = end_census_argv(arm, s, out, raw, task)
             print("census: " + " ".join(argv[1:]), flush=True)
             with open(out / "arms" / f"{arm}-seed{s}-census.log", "a") as f:
-                code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT,
-                                      env=study.thread_env(1), cwd=HERE).returncode
+                code = study.run_child(argv, f, cwd=HERE)
             if code != 0:
                 sys.exit(f"error: the census of {arm} seed {s} failed (exit {code})")
 
@@ -268,15 +306,23 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int):
 # The report: the tests, written before any arm's end was read
 
 
+def lenient_q(rows: list):
+    """A census's mean lenient Q (right_lenient over samples), or None where a record has none."""
+    if all("right_lenient" in r for r in rows):
+        return statistics.fmean(r["right_lenient"] / r["samples"] for r in rows)
+    return None
+
+
 def end_measures(rows: list, plateau: list) -> dict:
-    """An end census's measures on its prompts: pass@1 (mean Q), pass@16, pass@256, and how many
-    of the plateau census's reach prompts (by point estimate) it lifted to Q >= 1/16."""
+    """An end census's measures on its prompts: pass@1 (mean Q) by the rules and leniently,
+    pass@16, pass@256, and how many of the plateau census's reach prompts (by point estimate) it
+    lifted to Q >= 1/16."""
     at = census.summary(rows)["pass_at_k"]
     reach = [i for i, r in enumerate(plateau[:len(rows)])
              if REACH[0] <= r["right"] / r["samples"] < REACH[1]]
     lifted = sum(rows[i]["right"] / rows[i]["samples"] >= REACH[1] for i in reach)
-    return {"pass@1": at[1], "pass@16": at[16], "pass@256": at[256],
-            "reach prompts lifted": lifted}
+    return {"pass@1": at[1], "lenient pass@1": lenient_q(rows), "pass@16": at[16],
+            "pass@256": at[256], "reach prompts lifted": lifted}
 
 
 def paired_line(name: str, arm: list, base: list) -> str:
@@ -291,13 +337,44 @@ def paired_line(name: str, arm: list, base: list) -> str:
             f"{stats.sign_test(diffs):.3g} | {EFFECT[name]:g} | {power:.2f} |")
 
 
+def start_lines(raw: Path, plateau: list) -> list:
+    """What the arms start from: the trunk at its branch point (its rule's record, its last
+    evaluation by the rules and leniently) and the plateau census with its go/no-go."""
+    lines = ["# SmolLM2 revival", ""]
+    if (raw / "trunk" / "plateau.json").is_file():
+        record = study.read_json(raw / "trunk" / "plateau.json", PLATEAU_KEYS)
+        last = [r for r in study.raw_rows(raw / "trunk" / "metrics.jsonl")
+                if "eval_pass@1" in r and r["step"] <= record["step"]][-1]
+        slope = lambda m: (f"{record[m]['slope_per_100']:+.3f} ({record[m]['ci_low']:+.3f} .. "
+                           f"{record[m]['ci_high']:+.3f})")
+        lines += ["## The trunk's branch point", "",
+                  "| step | verdict | held-out pass@1 | lenient | probe Q | pass@1 slope a 100 "
+                  "steps (95%) | probe Q slope |", "|---|---|---|---|---|---|---|",
+                  f"| {record['step']} | {record['verdict']} | {last['eval_pass@1']:.4f} | "
+                  f"{last.get('eval_lenient_pass@1', float('nan')):.4f} | "
+                  f"{last['mass_mean']:.4f} | {slope('pass1')} | {slope('mass')} |", ""]
+    s, go = census.summary(plateau), reach_count(plateau)
+    lenient = lenient_q(plateau)
+    lines += ["## The plateau census", "",
+              "| prompts x samples | mean Q | lenient | pass@16 | pass@256 | pass@512 | none right "
+              "| in the reach, resolved | by point | go |",
+              "|---|---|---|---|---|---|---|---|---|---|",
+              f"| {s['prompts']} x {s['samples']} | {s['mean_q']:.4f} | "
+              + (f"{lenient:.4f}" if lenient is not None else "-")
+              + f" | {s['pass_at_k'][16]:.4f} | {s['pass_at_k'][256]:.4f} | "
+              f"{s['pass_at_k'].get(512, float('nan')):.4f} | {s['none_right']} | "
+              f"{go['reach_resolved']} | {go['reach_point']} | {'yes' if go['go'] else 'no'} |", ""]
+    return lines
+
+
 def report(raw: Path) -> str:
-    """Each arm against n16 paired by seed, from the raw files alone: held-out pass@1 at the end
-    and the end censuses' measures."""
+    """What the arms start from (start_lines), then each arm against n16 paired by seed, from the
+    raw files alone: held-out pass@1 at the end by the rules and leniently, and the end censuses'
+    measures."""
     found = study.read_raw(raw, groups=("arms",)).get("arms", {})
     runs = {arm: found.get(arm, {}) for arm in ARMS}
     plateau = census.load(raw / "census-plateau")
-    lines = ["# SmolLM2 revival: the arms against N = 16, paired by seed", "",
+    lines = [*start_lines(raw, plateau), "## The arms against N = 16, paired by seed", "",
              "| measure | pairs | mean difference | paired 95% interval | paired t p | sign p | "
              "effect | power |", "|---|---|---|---|---|---|---|---|"]
     base_seeds = sorted(runs["n16"])
@@ -306,24 +383,79 @@ def report(raw: Path) -> str:
         if not seeds:
             continue
         lines += [f"| **{arm}** ({len(seeds)} seeds) | | | | | | | |"]
-        end = lambda a, s: [r for r in runs[a][s] if "eval_pass@1" in r][-1]["eval_pass@1"]
-        lines.append(paired_line("held-out pass@1", [end(arm, s) for s in seeds],
-                                 [end("n16", s) for s in seeds]))
+        end = lambda a, s: [r for r in runs[a][s] if "eval_pass@1" in r][-1]
+        for name, key in (("held-out pass@1", "eval_pass@1"),
+                          ("held-out lenient pass@1", "eval_lenient_pass@1")):
+            if all(key in end(a, s) for a in (arm, "n16") for s in seeds):
+                lines.append(paired_line(name, [end(arm, s)[key] for s in seeds],
+                                         [end("n16", s)[key] for s in seeds]))
         folder = lambda a, s: raw / "census-arms" / a / f"seed{s}"
         both = [s for s in seeds if (folder(arm, s) / "census.jsonl").is_file()
                 and (folder("n16", s) / "census.jsonl").is_file()]
         if both:
             m = {a: [end_measures(census.load(folder(a, s)), plateau) for s in both]
                  for a in (arm, "n16")}
-            for name in ("pass@1", "pass@16", "pass@256", "reach prompts lifted"):
-                lines.append(paired_line(name, [x[name] for x in m[arm]],
-                                         [x[name] for x in m["n16"]]))
+            for name in ("pass@1", "lenient pass@1", "pass@16", "pass@256",
+                         "reach prompts lifted"):
+                if all(x[name] is not None for a in (arm, "n16") for x in m[a]):
+                    lines.append(paired_line(name, [x[name] for x in m[arm]],
+                                             [x[name] for x in m["n16"]]))
     return "\n".join(lines) + "\n"
+
+
+def figure(raw: Path, path: Path, window: int = WINDOW):
+    """Left: the trunk's held-out pass@1 by the rules and leniently and its probe's mean Q against
+    the step, the rule's last window shaded, the branch point marked. Middle: each plateau census
+    prompt's Q, sorted (log scale; none right drawn at 1/1024), the reach [1/512, 1/16) shaded.
+    Right: each arm's end held-out pass@1 minus n16's, seed by seed (a point a seed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, cx, bx) = plt.subplots(1, 3, figsize=(16, 4.2))
+    rows = [r for r in study.raw_rows(raw / "trunk" / "metrics.jsonl") if "eval_pass@1" in r]
+    steps = [r["step"] for r in rows]
+    for key, label in (("eval_pass@1", "held-out pass@1"),
+                       ("eval_lenient_pass@1", "held-out, lenient"), ("mass_mean", "probe Q")):
+        have = [(r["step"], r[key]) for r in rows if key in r]
+        if have:
+            ax.plot(*zip(*have), marker="o", ms=2.5, label=label)
+    if (raw / "trunk" / "plateau.json").is_file():
+        at = study.read_json(raw / "trunk" / "plateau.json", PLATEAU_KEYS)["step"]
+        ax.axvspan(at - window + EVAL_EVERY, at, color="0.85", alpha=0.5, zorder=0)
+        ax.axvline(at, color="0.4", lw=0.8)
+    ax.set(xlim=(0, max(steps) + EVAL_EVERY), ylim=(0, 1), xlabel="trunk step",
+           title="trunk (N = 16); the rule's last window shaded")
+    ax.legend(fontsize=7)
+    plateau = census.load(raw / "census-plateau")
+    floor = 1 / 1024
+    q = sorted(max(r["right"] / r["samples"], floor) for r in plateau)
+    cx.plot(range(len(q)), q, "o", ms=3, color="k")
+    cx.axhspan(*REACH, color="C2", alpha=0.2, zorder=0, label="reach: [1/512, 1/16)")
+    cx.set(yscale="log", xlabel="census prompt (sorted by Q)",
+           ylabel=f"Q ({plateau[0]['samples']} samples; none right at 1/1024)",
+           title="plateau census")
+    cx.legend(fontsize=7)
+    found = study.read_raw(raw, groups=("arms",)).get("arms", {})
+    end = lambda a, s: [r for r in found[a][s] if "eval_pass@1" in r][-1]["eval_pass@1"]
+    others = [a for a in ARMS if a != "n16" and a in found and "n16" in found]
+    for k, arm in enumerate(others):
+        seeds = sorted(set(found[arm]) & set(found["n16"]))
+        diffs = [end(arm, s) - end("n16", s) for s in seeds]
+        bx.plot([k] * len(diffs), diffs, "o", ms=4, alpha=0.7, color=f"C{k}")
+        bx.plot([k - 0.2, k + 0.2], [statistics.fmean(diffs)] * 2, color=f"C{k}")
+    bx.axhline(0, color="0.5", lw=0.8)
+    bx.set(xticks=range(len(others)), xticklabels=others, xlim=(-0.5, max(len(others), 1) - 0.5),
+           ylabel="end held-out pass@1 minus n16's", title="arms, paired by seed (a point a seed)")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=90)
+    plt.close(fig)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--testbed", choices=list(TESTBEDS), default="add2",
+                    help="the trunk's task (TESTBEDS): its folder under --out and --raw")
     ap.add_argument("--out", default="runs/smollm2-revival", help="the runs' directory")
     ap.add_argument("--raw", default=str(RAW), help="the raw results' directory")
     ap.add_argument("--only", choices=("trunk", "census", "arms"), default=None,
@@ -347,23 +479,30 @@ def main(argv=None):
         fail(f"--census_first {a.census_first}: the census holds {CENSUS_PROMPTS} prompts")
     study.finite_positive("--trunk_cap", a.trunk_cap)
     study.check_seeds(a.seeds)
-    out, raw = Path(a.out), Path(a.raw)
-    study.check_folder("--raw", raw, files=("report.md",))
+    bed = TESTBEDS[a.testbed]
+    out, raw = Path(a.out) / bed.folder, Path(a.raw) / bed.folder
+    study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if a.report:
         if not (raw / "census-plateau" / "census.jsonl").is_file():
             fail(f"--report: {raw / 'census-plateau'} holds no census: nothing to report")
-        text = report(raw)
-        study.write_outputs(raw, {"report.md": study.text_writer(text)})
+        text = report(raw)  # every raw file read and measured before anything is written
+        study.write_outputs(raw, {"report.md": study.text_writer(text),
+                                  "figure.png": lambda path: figure(raw, path, bed.window)})
         print(text)
         return
     study.check_folder("--out", out)
-    study.check_trunk_raw(raw / "trunk", TRUNK_FLAGS, PLATEAU_KEYS)
-    run = trunk_run(out, raw, a.chunk, a.max_steps)
+    flags = trunk_flags(bed, Path(a.out))
+    start = Path(a.out) / TESTBEDS[bed.start].folder / "trunk-branch" if bed.start else None
+    if start and not (raw / "trunk" / "chunks.jsonl").is_file() and not (start / "ckpt").is_dir():
+        fail(f"--testbed {a.testbed}: its trunk starts from {bed.start}'s branch point, {start}, "
+             f"which holds no checkpoint: run --testbed {bed.start} first")
+    study.check_trunk_raw(raw / "trunk", flags, PLATEAU_KEYS)
+    run = trunk_run(out, raw, a.chunk, a.max_steps, flags)
     run.check()
     study.make_folders(raw, out)
     with study.DriverLock(out):
         if a.only in (None, "trunk"):
-            record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap)
+            record = trunk(out, raw, a.chunk, a.max_steps, a.trunk_cap, flags, bed.window)
             if not record or a.only == "trunk":
                 return
         if a.only in (None, "census"):
@@ -373,9 +512,10 @@ def main(argv=None):
             if verdict in ("saturated", "wall"):
                 fail(f"{raw / 'trunk' / 'plateau.json'}: the trunk's verdict is {verdict}; the "
                      "task is made harder and a new trunk run before any census")
-            if not plateau_census(out, raw, a.census_first)["go"] or a.only == "census":
+            if not plateau_census(out, raw, a.census_first, bed.task)["go"] or \
+                    a.only == "census":
                 return
-        arms(out, raw, a.seeds, a.jobs)
+        arms(out, raw, a.seeds, a.jobs, bed.task)
 
 
 if __name__ == "__main__":

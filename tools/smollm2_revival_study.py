@@ -400,6 +400,8 @@ def report(raw: Path) -> str:
                 if all(x[name] is not None for a in (arm, "n16") for x in m[a]):
                     lines.append(paired_line(name, [x[name] for x in m[arm]],
                                              [x[name] for x in m["n16"]]))
+    if lines[-1].startswith("|---"):  # no arm has run
+        lines[-4:] = ["## The arms", "", "None has run."]
     return "\n".join(lines) + "\n"
 
 
@@ -443,6 +445,8 @@ def figure(raw: Path, path: Path, window: int = WINDOW):
         diffs = [end(arm, s) - end("n16", s) for s in seeds]
         bx.plot([k] * len(diffs), diffs, "o", ms=4, alpha=0.7, color=f"C{k}")
         bx.plot([k - 0.2, k + 0.2], [statistics.fmean(diffs)] * 2, color=f"C{k}")
+    if not others:
+        bx.text(0.5, 0.5, "no arm has run", ha="center", transform=bx.transAxes)
     bx.axhline(0, color="0.5", lw=0.8)
     bx.set(xticks=range(len(others)), xticklabels=others, xlim=(-0.5, max(len(others), 1) - 0.5),
            ylabel="end held-out pass@1 minus n16's", title="arms, paired by seed (a point a seed)")

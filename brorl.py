@@ -79,8 +79,9 @@ class Config(config.RunOptions):
         # + a .jsonl/.json/.parquet path or hub id[:config][@split]
     digits: int = 3  # arith's digits per operand (the difficulty knob)
     seed: int = 0  # random seed of the prompts' draw, the sampling and every init
-    dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: bf16 on CUDA and
-    # on a CPU with native bf16 (AVX512_BF16, AMX) at hidden size >= 512, else fp32 (policy.py)
+    dtype: str = "auto"  # compute dtype (autocast; weights, AdamW fp32); auto: a run's checkpoint's
+    # own, else bf16 on CUDA and on a CPU with native bf16 (AVX512_BF16, AMX) at hidden size >= 512,
+    # else fp32 (policy.py)
     # Rollouts. The paper samples N = 512 rollouts for each of B = 128 prompts a step.
     n_rollouts: int = 512  # N: rollouts per prompt (paper 512; ProRL 16)
     prompts_per_step: int = 2  # B: groups kept per step after dynamic sampling (paper 128);

@@ -152,12 +152,28 @@ def cpu_bf16() -> str:
             else "AVX512_BF16" if torch.cpu._is_avx512_bf16_supported() else "")
 
 
-def pick_dtype(cfg, device, model_config) -> tuple:
-    """(--dtype made concrete, why): auto is bf16 autocast on CUDA, and on a CPU that computes bf16
-    natively for a model of hidden size >= BF16_MIN_HIDDEN; fp32 elsewhere. A run records its
-    choice in config.json, so that a resumed run keeps it on any machine."""
+def recorded_dtype(path: str) -> str:
+    """The dtype a brorl run computed in, as the checkpoint at path (or path/ckpt) records it in
+    brorl_config.json; "" for anything else (a hub id, a model's folder, an unreadable record)."""
+    for folder in (Path(path), Path(path) / "ckpt"):
+        try:
+            dtype = json.loads((folder / "brorl_config.json").read_text()).get("dtype")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if dtype in ("float32", "bfloat16"):
+            return dtype
+    return ""
+
+
+def pick_dtype(cfg, device, model_config, source: str = "") -> tuple:
+    """(--dtype made concrete, why): auto is the dtype a brorl checkpoint's run computed in when
+    the policy (source) is one, as a resumed run keeps its own; else bf16 autocast on CUDA, and on
+    a CPU that computes bf16 natively for a model of hidden size >= BF16_MIN_HIDDEN; fp32 elsewhere.
+    A run records its choice in config.json, so that a resumed run keeps it on any machine."""
     if cfg.dtype != "auto":
         return cfg.dtype, "given"
+    if source and (recorded := recorded_dtype(source)):
+        return recorded, f"the dtype the run that wrote {source} computed in"
     if device.type != "cpu":
         return ("bfloat16" if device.type == "cuda" else "float32"), f"on {device.type}"
     hidden = getattr(model_config.get_text_config(), "hidden_size", 0) or 0

@@ -70,7 +70,7 @@ def setup(cfg, policy: str, flag: str, with_train_set=True):
         checkpoint_dir(policy, flag)
     model, tok = load_policy(policy, device, flag)
     # The run records the dtype it computes in; auto's choice is said with its reason.
-    dtype, why = pick_dtype(cfg, device, model.config)
+    dtype, why = pick_dtype(cfg, device, model.config, policy)
     if cfg.dtype == "auto" and distributed.is_main():
         tqdm.write(f"--dtype auto: {dtype} ({why})")
     cfg = dataclasses.replace(cfg, dtype=dtype)

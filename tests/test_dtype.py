@@ -43,6 +43,44 @@ def test_a_given_dtype_is_kept_whatever_the_cpu(monkeypatch):
         assert policy.pick_dtype(cfg, torch.device("cpu"), _config(576))[0] == given
 
 
+@pytest.mark.parametrize("record, isa, want", [
+    ({"dtype": "float32"}, "AVX512_BF16", "float32"),  # an fp32 run's checkpoint on a bf16 CPU
+    ({"dtype": "bfloat16"}, "", "bfloat16"),  # a bf16 run's on a CPU without native bf16
+    ({}, "AVX512_BF16", "bfloat16"),  # no record: the CPU's choice
+    (None, "", "float32"),  # no brorl_config.json: a model's folder
+])
+def test_auto_keeps_the_dtype_a_checkpoints_run_computed_in(tmp_path, monkeypatch, record, isa,
+                                                            want):
+    """--dtype auto with a brorl checkpoint as the policy (--model, --init_from): the dtype its run
+    recorded, found in the folder or its ckpt/, on any CPU, as a resumed run keeps its own."""
+    monkeypatch.setattr(policy, "cpu_bf16", lambda: isa)
+    (tmp_path / "ckpt").mkdir()
+    if record is not None:
+        (tmp_path / "ckpt" / "brorl_config.json").write_text(json.dumps(record))
+    for source in (tmp_path, tmp_path / "ckpt"):
+        dtype, why = policy.pick_dtype(brorl.Config(dtype="auto"), torch.device("cpu"),
+                                       _config(576), str(source))
+        assert dtype == want, why
+        assert (str(source) in why) == ("dtype" in (record or {})), why
+    given = policy.pick_dtype(brorl.Config(dtype="bfloat16"), torch.device("cpu"), _config(576),
+                              str(tmp_path))
+    assert given[0] == "bfloat16"
+
+
+def test_eval_only_of_an_fp32_run_on_a_bf16_cpu_computes_in_fp32(tmp_path, monkeypatch):
+    """setup() hands the policy's path to pick_dtype: --eval_only --model <an fp32 run> on a CPU
+    that computes bf16 natively evaluates in fp32, as the run computed."""
+    brorl.train(_run(tmp_path, "fp32", dtype="float32"))
+    monkeypatch.setattr(policy, "BF16_MIN_HIDDEN", 0)  # the embedded model counts as wide
+    monkeypatch.setattr(policy, "cpu_bf16", lambda: "AVX512_BF16")
+    from lib import setup
+    cfg = brorl.parse_config(["--eval_only", "--model", str(tmp_path / "fp32"), "--eval_prompts",
+                              "2", "--eval_samples", "2", "--device", "cpu"])
+    assert setup.setup(cfg, cfg.model, "--model", with_train_set=False)[0].dtype == "float32"
+    fresh = brorl.parse_config(["--eval_only", "--eval_prompts", "2", "--device", "cpu"])
+    assert setup.setup(fresh, fresh.model, "--model", with_train_set=False)[0].dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("amx, avx512_bf16, want", [
     (True, True, "AMX"), (False, True, "AVX512_BF16"), (False, False, "")])
 def test_cpu_bf16_reads_torchs_own_checks(monkeypatch, amx, avx512_bf16, want):

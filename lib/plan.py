@@ -34,8 +34,9 @@ def plan(cfg) -> list:
         fail(f"--model {name}: its config.json is refused by transformers ({config_refusal(e)})")
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
-    # auto made concrete as setup() makes it: a brorl checkpoint's own dtype, else the device's
-    cfg = dataclasses.replace(cfg, dtype=pick_dtype(cfg, device, model_config, name)[0])
+    # The dtype is made concrete as setup() makes it: the policy's run's own, else the device's.
+    cfg = dataclasses.replace(cfg, dtype=pick_dtype(cfg, device, model_config,
+                                                    cfg.init_from or name)[0])
     positions = getattr(model_config, "max_position_embeddings", None)  # every prompt planned for
     train_set, longest = fit_context(cfg, train_set, f"--task {cfg.task}: training",
                                      cfg.max_new_tokens, tok, positions)

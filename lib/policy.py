@@ -155,7 +155,7 @@ def cpu_bf16() -> str:
 def recorded_dtype(path: str) -> str:
     """The dtype a brorl run computed in, as the checkpoint at path (or path/ckpt) records it in
     brorl_config.json; "" for anything else (a hub id, a model's folder, an unreadable record)."""
-    for folder in (Path(path), Path(path) / "ckpt"):
+    for folder in (Path(path).expanduser(), Path(path).expanduser() / "ckpt"):
         try:
             dtype = json.loads((folder / "brorl_config.json").read_text()).get("dtype")
         except (OSError, ValueError, AttributeError):

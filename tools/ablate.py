@@ -55,7 +55,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -178,7 +177,7 @@ def launch(argv: list[str], run_dir: Path, threads: int) -> dict:
     cmd = [sys.executable, str(HERE / "brorl.py"), *argv]
     t0 = time.time()
     with open(run_dir / "log.txt", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode  # paths as typed: from our cwd
+        code = study.run_child(cmd, log, env=env)  # paths as typed: from our cwd
     seconds = time.time() - t0
     if code == 0:
         (run_dir / "done.json").write_text(json.dumps(dict(argv=argv, seconds=round(seconds, 1), threads=threads)))

@@ -96,8 +96,9 @@ TESTBEDS = {
     # which the task is made harder, once. Three-digit sums (assets/smollm2/add3.jsonl, drawn as
     # add2's), continued from add2's branch point (its step 300 scored 0.572 held-out pass@1 on
     # them, pass@8 0.672: room above and a reach below), so that the format is not learnt again.
-    # Its window is 100 steps (eleven evaluations): at add2's evaluation noise a 60-step window's
-    # slope intervals were +-0.11 to +-0.27 a 100 steps, wider than the bound they had to fit in.
+    # Its window is 100 steps (ten evaluations): at add2's evaluation noise a 60-step window's
+    # probe Q slope intervals were +-0.11 to +-0.46 a 100 steps (pass@1's +-0.07 to +-0.27), mostly
+    # wider than the bound they had to fit in.
     "add3": Testbed("add3", ("--task", "math:assets/smollm2/add3.jsonl"), 100, start="add2"),
 }
 
@@ -400,8 +401,9 @@ def report(raw: Path) -> str:
                 if all(x[name] is not None for a in (arm, "n16") for x in m[a]):
                     lines.append(paired_line(name, [x[name] for x in m[arm]],
                                              [x[name] for x in m["n16"]]))
-    if lines[-1].startswith("|---"):  # no arm has run
-        lines[-4:] = ["## The arms", "", "None has run."]
+    if lines[-1].startswith("|---"):  # No arm has a seed paired with n16's.
+        lines[-4:] = ["## The arms", "", "None has run." if not any(runs.values()) else
+                      "None has a seed paired with n16's."]
     return "\n".join(lines) + "\n"
 
 
@@ -442,6 +444,8 @@ def figure(raw: Path, path: Path, window: int = WINDOW):
     others = [a for a in ARMS if a != "n16" and a in found and "n16" in found]
     for k, arm in enumerate(others):
         seeds = sorted(set(found[arm]) & set(found["n16"]))
+        if not seeds:
+            continue
         diffs = [end(arm, s) - end("n16", s) for s in seeds]
         bx.plot([k] * len(diffs), diffs, "o", ms=4, alpha=0.7, color=f"C{k}")
         bx.plot([k - 0.2, k + 0.2], [statistics.fmean(diffs)] * 2, color=f"C{k}")

@@ -175,15 +175,16 @@ def pid_alive(pid: str) -> bool:
         os.kill(int(pid), 0)
     except (ValueError, ProcessLookupError):
         return False
-    except PermissionError:  # alive, another user's
+    except PermissionError:  # It lives, as another user's process.
         pass
     return True
 
 
-def run_child(argv: list, log, cwd=None) -> int:
-    """argv run on one thread, its output to the open file log; its exit status. It holds the
-    driver's lock (DriverLock) for its life."""
-    return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(1), cwd=cwd,
+def run_child(argv: list, log, cwd=None, env=None) -> int:
+    """argv run in env (default: this one's, on one thread), its output to the open file log; its
+    exit status. It holds the driver's lock (DriverLock) for its life."""
+    return subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                          env=thread_env(1) if env is None else env,
                           pass_fds=DriverLock.held).returncode
 
 

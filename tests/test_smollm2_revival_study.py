@@ -218,9 +218,9 @@ def test_the_figure_is_the_same_bytes_from_the_same_raw_files(tmp_path):
 
 @pytest.mark.parametrize("bed", list(srs.TESTBEDS))
 def test_the_committed_report_and_figure_regenerate_from_the_raw_files(bed):
-    """Each testbed's committed report.md and figure.png (assets/smollm2-revival/, add3/) are what
+    """assets/smollm2-revival/report.md and figure.png, and those of each later testbed, are what
     --report makes of the raw files beside them, byte for byte (the PNG with the pinned
-    matplotlib), once its census has made a report possible."""
+    matplotlib), once the testbed's census has made a report possible."""
     raw = srs.RAW / srs.TESTBEDS[bed].folder
     if not (raw / "report.md").is_file():
         pytest.skip(f"no report of {bed} committed yet: its plateau census has not ended")

@@ -848,7 +848,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    # On a CPU, freed memory kept as brorl.py's runs keep it (lib/setup.keep_freed_memory), in this
+    # On a CPU, freed memory is kept as brorl.py's runs keep it (lib/setup.keep_freed_memory), in this
     # process (the sampler part, both its sides) and in the step part's children.
     kept = not torch.cuda.is_available() and setup.keep_freed_memory()
     if args.child:

@@ -271,6 +271,6 @@ def test_a_sweeps_runs_share_a_wandb_group(tmp_path, monkeypatch):
     for name in ("WANDB_RUN_GROUP", "WANDB_NAME"):
         monkeypatch.delenv(name, raising=False)
     seen = {}
-    monkeypatch.setattr(ablate.subprocess, "run", lambda cmd, env, **kw: seen.update(env) or SimpleNamespace(returncode=1))
+    monkeypatch.setattr(ablate.study.subprocess, "run", lambda cmd, env, **kw: seen.update(env) or SimpleNamespace(returncode=1))
     ablate.launch(["--steps", "1"], tmp_path / "shape" / "n_rollouts=16" / "seed0", threads=1)
     assert seen["WANDB_RUN_GROUP"] == "shape" and seen["WANDB_NAME"] == "n_rollouts=16/seed0"

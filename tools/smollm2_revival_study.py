@@ -307,6 +307,11 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
 # The report: the tests, written before any arm's end was read
 
 
+def last_eval(rows: list) -> dict:
+    """A run's last evaluated row (its end, for an arm run)."""
+    return [r for r in rows if "eval_pass@1" in r][-1]
+
+
 def lenient_q(rows: list):
     """A census's mean lenient Q (right_lenient over samples), or None where a record has none."""
     if all("right_lenient" in r for r in rows):
@@ -384,7 +389,7 @@ def report(raw: Path) -> str:
         if not seeds:
             continue
         lines += [f"| **{arm}** ({len(seeds)} seeds) | | | | | | | |"]
-        end = lambda a, s: [r for r in runs[a][s] if "eval_pass@1" in r][-1]
+        end = lambda a, s: last_eval(runs[a][s])
         for name, key in (("held-out pass@1", "eval_pass@1"),
                           ("held-out lenient pass@1", "eval_lenient_pass@1")):
             if all(key in end(a, s) for a in (arm, "n16") for s in seeds):
@@ -440,7 +445,7 @@ def figure(raw: Path, path: Path, window: int = WINDOW):
            title="plateau census")
     cx.legend(fontsize=7)
     found = study.read_raw(raw, groups=("arms",)).get("arms", {})
-    end = lambda a, s: [r for r in found[a][s] if "eval_pass@1" in r][-1]["eval_pass@1"]
+    end = lambda a, s: last_eval(found[a][s])["eval_pass@1"]
     others = [a for a in ARMS if a != "n16" and a in found and "n16" in found]
     for k, arm in enumerate(others):
         seeds = sorted(set(found[arm]) & set(found["n16"]))

@@ -92,6 +92,25 @@ def test_a_saturated_or_walled_trunk_runs_no_census(tmp_path, capsys, verdict):
     assert not (raw / "census-plateau" / "census.jsonl").exists()
 
 
+@pytest.mark.parametrize("verdict", ["saturated", "wall"])
+def test_the_harder_task_saturated_or_walled_is_censused_all_the_same(tmp_path, monkeypatch,
+                                                                      capsys, verdict):
+    """The task is made harder once: add3's trunk (a testbed with a start), whatever its verdict,
+    goes on to its census, whose go or no-go decides."""
+    raw = tmp_path / "raw"
+    (raw / "add3" / "trunk").mkdir(parents=True)
+    (raw / "add3" / "trunk" / "plateau.json").write_text(json.dumps(
+        dict(step=300, pass1={}, mass={}, plateau=False, verdict=verdict)))
+    (raw / "add3" / "trunk" / "chunks.jsonl").write_text("")
+    censused = []
+    monkeypatch.setattr(srs, "plateau_census", lambda out, raw, first, task: censused.append(
+        (raw, task)) or {"go": False})
+    srs.main(["--testbed", "add3", "--only", "census", "--out", str(tmp_path / "out"),
+              "--raw", str(raw)])
+    assert censused == [(raw / "add3", srs.TESTBEDS["add3"].task)]
+    assert f"verdict is {verdict}, on a task made harder once" in capsys.readouterr().out
+
+
 def test_go_counts_prompts_resolved_inside_the_reach():
     # Q = 8/512 = 1/64: its interval [0.0068, 0.031] lies in [1/512, 1/16)
     inside = {"right": 8, "samples": 512}
@@ -230,7 +249,7 @@ def test_the_committed_report_and_figure_regenerate_from_the_raw_files(bed):
     with tempfile.TemporaryDirectory() as tmp:
         srs.figure(raw, Path(tmp) / "figure.png", srs.TESTBEDS[bed].window)
         assert (Path(tmp) / "figure.png").read_bytes() == (raw / "figure.png").read_bytes(), \
-            f"{raw / 'figure.png'} differs: rerun --report (another matplotlib or Pillow?)"
+            f"{raw / 'figure.png'} differs: rerun --report (matplotlib, Pillow at their pins?)"
 
 
 def test_add3_continues_add2s_branch_on_three_digit_sums(tmp_path, capsys):

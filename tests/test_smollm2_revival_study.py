@@ -226,6 +226,21 @@ def test_the_report_starts_with_the_branch_and_census_and_reads_form_apart(tmp_p
     assert "| 2 | +0.0000 |" in line("lenient pass@1") and "| 2 | +0.0000 |" in line("pass@1")
 
 
+def test_the_report_refuses_a_branch_record_cut_short_in_one_line(tmp_path, capsys):
+    """A plateau.json without a slope's interval, or a branch step before any evaluation: one line
+    naming the file, not a KeyError or an IndexError."""
+    raw = tmp_path / "raw"
+    record, _ = made_up_study(raw)
+    path = raw / "trunk" / "plateau.json"
+    for broken, named in [({**record, "mass": {"slope_per_100": 0.0}}, "mass.ci_low"),
+                          ({**record, "step": -10}, "no evaluation at or before")]:
+        path.write_text(json.dumps(broken))
+        with pytest.raises(SystemExit):
+            srs.report(raw)
+        err = capsys.readouterr().err
+        assert named in err and str(raw / "trunk") in err, err
+
+
 def test_the_figure_is_the_same_bytes_from_the_same_raw_files(tmp_path):
     raw = tmp_path / "raw"
     made_up_study(raw)

@@ -350,9 +350,14 @@ def start_lines(raw: Path, plateau: list) -> list:
     evaluation by the rules and leniently) and the plateau census with its go/no-go."""
     lines = ["# SmolLM2 revival", ""]
     if (raw / "trunk" / "plateau.json").is_file():
-        record = study.read_json(raw / "trunk" / "plateau.json", PLATEAU_KEYS)
-        last = [r for r in study.raw_rows(raw / "trunk" / "metrics.jsonl")
-                if "eval_pass@1" in r and r["step"] <= record["step"]][-1]
+        record = study.read_json(raw / "trunk" / "plateau.json", (*PLATEAU_KEYS, *(
+            f"{m}.{k}" for m in ("pass1", "mass") for k in ("slope_per_100", "ci_low", "ci_high"))))
+        evals = [r for r in study.raw_rows(raw / "trunk" / "metrics.jsonl")
+                 if "eval_pass@1" in r and r["step"] <= record["step"]]
+        if not evals:
+            fail(f"{raw / 'trunk' / 'metrics.jsonl'}: no evaluation at or before the branch point "
+                 f"(step {record['step']}, {raw / 'trunk' / 'plateau.json'})")
+        last = evals[-1]
         slope = lambda m: (f"{record[m]['slope_per_100']:+.3f} ({record[m]['ci_low']:+.3f} .. "
                            f"{record[m]['ci_high']:+.3f})")
         lines += ["## The trunk's branch point", "",

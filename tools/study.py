@@ -330,13 +330,22 @@ def raw_rows(path: Path) -> list:
 
 
 def read_json(path: Path, keys=()) -> dict:
-    """A JSON object a study wrote (a plateau's record), with `keys`; else one line naming it."""
+    """A JSON object a study wrote (a plateau's record), with `keys` ("a.b": b in the object a);
+    else one line naming it."""
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         fail(f"{path}: unreadable ({getattr(e, 'msg', None) or e}); delete it and the study "
              "writes it again")
-    missing = [k for k in keys if k not in obj] if isinstance(obj, dict) else ["an object"]
+
+    def has(key):
+        found = obj
+        for part in key.split("."):
+            if not isinstance(found, dict) or part not in found:
+                return False
+            found = found[part]
+        return True
+    missing = [k for k in keys if not has(k)] if isinstance(obj, dict) else ["an object"]
     if missing:
         fail(f"{path}: not this study's record (it lacks {missing[0]}); delete it and the study "
              "writes it again")

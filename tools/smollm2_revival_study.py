@@ -93,11 +93,12 @@ class Testbed:
 
 TESTBEDS = {
     "add2": Testbed("", (), WINDOW),
-    # Fixed after add2's census, before this trunk ran: add2's trunk reached its cap and its census
-    # was a no-go, 49 of 64 prompts right in all 512 samples (mean Q 0.953): the saturation for
-    # which the task is made harder, once. Three-digit sums (assets/smollm2/add3.jsonl, drawn as
-    # add2's), continued from add2's branch point (its step 300 scored 0.572 held-out pass@1 on
-    # them, pass@8 0.672: room above and a reach below), so that the format is not learnt again.
+    # Fixed after add2's census, before this trunk ran: add2's trunk reached its cap (the rule's
+    # verdict, window mean 0.913 < SATURATED) and its census was a no-go, 49 of 64 prompts right in
+    # all 512 samples (mean Q 0.953): near saturation, judged after the no-go; the task made harder
+    # once. Three-digit sums (assets/smollm2/add3.jsonl, drawn as add2's), continued from add2's
+    # branch point (its step 300 scored 0.572 held-out pass@1 on them, pass@8 0.672: room above
+    # and a reach below), so that the format is not learnt again.
     # Its window is 100 steps (ten evaluations): at add2's evaluation noise a 60-step window's
     # probe Q slope intervals were +-0.11 to +-0.46 a 100 steps (pass@1's +-0.07 to +-0.27), mostly
     # wider than the bound they had to fit in.

@@ -111,6 +111,41 @@ def test_the_harder_task_saturated_or_walled_is_censused_all_the_same(tmp_path, 
     assert f"verdict is {verdict}, on a task made harder once" in capsys.readouterr().out
 
 
+def test_the_plan_prices_each_arm_from_the_measured_costs(tmp_path):
+    """Each arm's CPU hours from the raw files, computed by hand here: an N = 16 step the trunk's
+    median (10 s), an N = 256 step the pilot's (200 s), a run's evaluations and load twice the
+    chunks' median CPU beyond their steps (2 x 50 s), a census prompt the pilot's scaled by
+    samples."""
+    raw = tmp_path / "raw"
+    trunk, pilot = raw / "add3" / "trunk", raw / "add3-pilot"
+    trunk.mkdir(parents=True), pilot.mkdir()
+    cpu = [0, 100, 200, 330]  # steps 0, 10, 20, 30: 10, 10 and 13 s a step
+    (trunk / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": 10 * i, "time_train_cpu": c, **({"argv": []} if i == 0 else {})}) + "\n"
+        for i, c in enumerate(cpu)))
+    (trunk / "chunks.jsonl").write_text("".join(json.dumps({"steps_to": t, "cpu_s": c}) + "\n"
+                                                for t, c in [(10, 150), (20, 150), (30, 200)]))
+    (pilot / "n256-steps.jsonl").write_text("".join(json.dumps(
+        {"step": i, "time_train_cpu": c, **({"argv": []} if i == 0 else {})}) + "\n"
+        for i, c in enumerate([0, 250, 400])))  # 250 and 150 s: median 200
+    (pilot / "census-cpu.json").write_text(json.dumps(dict(cpu_s=80, prompts=8, samples=256)))
+    text = srs.plan(raw, srs.TESTBEDS["add3"], 5, 40)
+    row = lambda name: next(ln for ln in text.splitlines() if ln.startswith(f"| {name} |"))
+    assert "load and evaluations: 100 s" in text.splitlines()[0]
+    assert row("n16") == f"| n16 | 5 | 4 | 10 | {5 * (4 * 10 + 100) / 3600:.2f} |"
+    assert row("n256-lr") == f"| n256-lr | 5 | 4 | 200 | {5 * (4 * 200 + 100) / 3600:.2f} |"
+    assert row("n16-long") == f"| n16-long | 5 | 64 | 10 | {5 * (64 * 10 + 100) / 3600:.2f} |"
+    censuses = 20 * 48 * 10 / 3600  # 10 s a prompt at 256 samples
+    assert row("end censuses (48 x 256)").endswith(f"| 10.0 a prompt | {censuses:.2f} |")
+    arms = (5 * (4 * 10 + 100) + 2 * 5 * (4 * 200 + 100) + 5 * (64 * 10 + 100)) / 3600
+    assert f"**{arms + censuses:.2f}**" in row("**the arms**")
+    assert row("spent: add3 trunk").endswith(f"| {500 / 3600:.2f} |")
+    coming = (10 * 15 + 64 * 20) / 3600  # 10 steps at 15 s (the chunks' median), 64 x 512 samples
+    assert row("to come, at most: the trunk to step 40, its census").endswith(f"| {coming:.2f} |")
+    left = 30 - 500 / 3600 - coming
+    assert row("left of 30 CPU h").endswith(f"| {left:.2f} (the arms fit) |")
+
+
 def test_go_counts_prompts_resolved_inside_the_reach():
     # Q = 8/512 = 1/64: its interval [0.0068, 0.031] lies in [1/512, 1/16)
     inside = {"right": 8, "samples": 512}

@@ -54,6 +54,7 @@ three-digit sums from add2's branch point, a 100-step plateau window, its files 
   python -m tools.smollm2_revival_study --out runs/smollm2-revival --only trunk
   python -m tools.smollm2_revival_study --testbed add3                            # the second
   python -m tools.smollm2_revival_study --report                                  # the tests
+  python -m tools.smollm2_revival_study --testbed add3 --plan                     # arms' CPU
 """
 
 import argparse
@@ -89,6 +90,7 @@ class Testbed:
     task: tuple  # flags beyond TRUNK_FLAGS (the trunk's, the census's and the arms')
     window: int  # the plateau rule's trailing steps
     start: str = ""  # the testbed from whose branch point (weights, AdamW moments) the trunk starts
+    pilot: str = ""  # the folder under --raw of its measured N = BIG steps and census prompts
 
 
 TESTBEDS = {
@@ -102,7 +104,8 @@ TESTBEDS = {
     # Its window is 100 steps (ten evaluations): at add2's evaluation noise a 60-step window's
     # probe Q slope intervals were +-0.11 to +-0.46 a 100 steps (pass@1's +-0.07 to +-0.27), mostly
     # wider than the bound they had to fit in.
-    "add3": Testbed("add3", ("--task", "math:assets/smollm2/add3.jsonl"), 100, start="add2"),
+    "add3": Testbed("add3", ("--task", "math:assets/smollm2/add3.jsonl"), 100, start="add2",
+                    pilot="add3-pilot"),
 }
 
 
@@ -111,6 +114,7 @@ def trunk_flags(bed: Testbed, out_root: Path) -> list:
     start = (["--init_from", str(out_root / TESTBEDS[bed.start].folder / "trunk-branch"),
               "--init_optimizer"] if bed.start else [])
     return [*TRUNK_FLAGS, *bed.task, *start]
+
 # The arms, from the plateau's checkpoint with its AdamW moments, one run a seed. N = 256, not 512:
 # the largest N whose two arms fit the plan at 5 seeds (docs/results/smollm2-revival.md).
 STEPS, BIG = 4, 256
@@ -307,6 +311,77 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
 
 
 # ----------------------------------------------------------------------------
+# The plan: the arms' CPU hours from measured costs, before any arm runs
+
+BUDGET_H = 30  # the study's CPU hours in all, trunks and censuses included
+
+
+def step_cpu(rows: list) -> float:
+    """The median training CPU seconds a step, from a run's rows (cumulative time_train_cpu)."""
+    points = [(r["step"], r["time_train_cpu"]) for r in rows if "time_train_cpu" in r]
+    return statistics.median((c - c0) / (s - s0) for (s0, c0), (s, c) in zip(points, points[1:])
+                             if s > s0)
+
+
+def costs(raw_root: Path, bed: Testbed) -> dict:
+    """The measured CPU seconds the plan prices from: an N = 16 step (the trunk's median), an
+    N = BIG step (the pilot's n{BIG}-steps.jsonl), a run's load and its two evaluations (twice the
+    median of a trunk chunk's CPU beyond its steps), a trunk step with its share of a chunk's
+    evaluation, and a census prompt at 256 samples (the pilot's census-cpu.json, one load in it)."""
+    if not bed.pilot:
+        fail(f"--plan: the testbed {bed.folder or 'add2'} has no measured N = {BIG} step (a pilot)")
+    pilot, trunk_dir = raw_root / bed.pilot, raw_root / bed.folder / "trunk"
+    rows = study.raw_rows(trunk_dir / "metrics.jsonl")
+    done = {r["step"]: r["time_train_cpu"] for r in rows}
+    chunks = study.read_jsonl(trunk_dir / "chunks.jsonl", ("steps_to", "cpu_s"))
+    spans = list(zip([0] + [c["steps_to"] for c in chunks], chunks))  # (from step, chunk)
+    census_cpu = study.read_json(pilot / "census-cpu.json", ("cpu_s", "prompts", "samples"))
+    return dict(step=step_cpu(rows), big=step_cpu(study.raw_rows(pilot / f"n{BIG}-steps.jsonl")),
+                run=2 * statistics.median(c["cpu_s"] - done[c["steps_to"]] + done[s0]
+                                          for s0, c in spans if c["steps_to"] in done),
+                trunk_step=statistics.median(c["cpu_s"] / (c["steps_to"] - s0) for s0, c in spans),
+                trunk_at=spans[-1][1]["steps_to"] if spans else 0,
+                prompt256=census_cpu["cpu_s"] / census_cpu["prompts"] * 256
+                / census_cpu["samples"])
+
+
+def plan(raw_root: Path, bed: Testbed, seeds: int, max_steps: int) -> str:
+    """The arms' CPU hours at `seeds` seeds from costs(); beside them what the trunks and the
+    plateau censuses spent (a census at the pilot's cost a prompt), and before the testbed's
+    plateau its trunk to max_steps and its census, at most: all against BUDGET_H."""
+    c = costs(raw_root, bed)
+    prompt = lambda samples: c["prompt256"] * samples / 256
+    lines = [f"| arm | runs | steps a run | CPU s a step | CPU h (a run's load and evaluations: "
+             f"{c['run']:.0f} s) |", "|---|---|---|---|---|"]
+    total = 0.0
+    for arm, (flags, steps) in ARMS.items():
+        step = c["big"] if "--n_rollouts" in flags else c["step"]
+        total += (hours := seeds * (steps * step + c["run"]) / 3600)
+        lines.append(f"| {arm} | {seeds} | {steps} | {step:.0f} | {hours:.2f} |")
+    total += (censuses := len(ARMS) * seeds * END_PROMPTS * prompt(END_SAMPLES) / 3600)
+    lines += [f"| end censuses ({END_PROMPTS} x {END_SAMPLES}) | {len(ARMS) * seeds} | | "
+              f"{prompt(END_SAMPLES):.1f} a prompt | {censuses:.2f} |",
+              f"| **the arms** | | | | **{total:.2f}** |"]
+    spent = {}
+    for name, t in TESTBEDS.items():
+        if (chunks := raw_root / t.folder / "trunk" / "chunks.jsonl").is_file():
+            spent[f"spent: {name} trunk"] = sum(
+                r["cpu_s"] for r in study.read_jsonl(chunks, ("steps_to", "cpu_s"))) / 3600
+        if (raw_root / t.folder / "census-plateau" / "census.jsonl").is_file():
+            spent[f"spent: {name} plateau census (at the pilot's cost)"] = sum(
+                prompt(r["samples"]) for r in census.load(raw_root / t.folder / "census-plateau")
+            ) / 3600
+    if not (raw_root / bed.folder / "trunk" / "plateau.json").is_file():
+        spent[f"to come, at most: the trunk to step {max_steps}, its census"] = (
+            max(0, max_steps - c["trunk_at"]) * c["trunk_step"]
+            + CENSUS_PROMPTS * prompt(512)) / 3600
+    lines += [f"| {what} | | | | {hours:.2f} |" for what, hours in spent.items()]
+    left = BUDGET_H - sum(spent.values())
+    fits = "the arms fit" if total <= left else "the arms do not fit"
+    return "\n".join([*lines, f"| left of {BUDGET_H} CPU h | | | | {left:.2f} ({fits}) |"]) + "\n"
+
+
+# ----------------------------------------------------------------------------
 # The report: the tests, written before any arm's end was read
 
 
@@ -485,6 +560,8 @@ def main(argv=None):
                     help="the arms' seeds")
     ap.add_argument("--jobs", type=int, default=2, help="arm runs at once (one thread each)")
     ap.add_argument("--report", action="store_true", help="the tests from the raw files")
+    ap.add_argument("--plan", action="store_true",
+                    help="the arms' CPU hours from the measured costs (printed again before them)")
     ap.add_argument("--chunk", type=int, default=EVAL_EVERY, help="trunk steps between tests")
     ap.add_argument("--max_steps", type=int, default=300, help="the trunk's most steps")
     ap.add_argument("--trunk_cap", type=float, default=8 * 3600, help="the trunk's CPU seconds")
@@ -503,6 +580,9 @@ def main(argv=None):
     bed = TESTBEDS[a.testbed]
     out, raw = Path(a.out) / bed.folder, Path(a.raw) / bed.folder
     study.check_folder("--raw", raw, files=("report.md", "figure.png"))
+    if a.plan:
+        print(plan(Path(a.raw), bed, len(a.seeds), a.max_steps), end="")
+        return
     if a.report:
         if not (raw / "census-plateau" / "census.jsonl").is_file():
             fail(f"--report: {raw / 'census-plateau'} holds no census: nothing to report")
@@ -539,6 +619,8 @@ def main(argv=None):
             if not plateau_census(out, raw, a.census_first, bed.task)["go"] or \
                     a.only == "census":
                 return
+        if bed.pilot:
+            print(plan(Path(a.raw), bed, len(a.seeds), a.max_steps), end="", flush=True)
         arms(out, raw, a.seeds, a.jobs, bed.task)
 
 

@@ -4,6 +4,7 @@ before any arm's end was read. Fast: no model."""
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import scipy.stats
@@ -111,39 +112,70 @@ def test_the_harder_task_saturated_or_walled_is_censused_all_the_same(tmp_path, 
     assert f"verdict is {verdict}, on a task made harder once" in capsys.readouterr().out
 
 
-def test_the_plan_prices_each_arm_from_the_measured_costs(tmp_path):
-    """Each arm's CPU hours from the raw files, computed by hand here: an N = 16 step the trunk's
-    median (10 s), an N = 256 step the pilot's (200 s), a run's evaluations and load twice the
-    chunks' median CPU beyond their steps (2 x 50 s), a census prompt the pilot's scaled by
-    samples."""
-    raw = tmp_path / "raw"
+def timed_rows(steps_cpu: list) -> str:
+    """A run's metrics.jsonl rows: (step, cumulative time_train_cpu) each, flags in the first."""
+    return "".join(json.dumps({"step": s, "time_train_cpu": c, **({"argv": []} if not i else {})})
+                   + "\n" for i, (s, c) in enumerate(steps_cpu))
+
+
+def made_up_costs(raw: Path, chunks=((10, 150), (20, 160), (30, 300)), prompts=8):
+    """A trunk of three chunks (steps 20-30 at 20 s a step, earlier at 10) and a pilot: N = 256
+    steps of 250, 100 and 550 s; a census prompt 80 s / 8 at 128 samples."""
     trunk, pilot = raw / "add3" / "trunk", raw / "add3-pilot"
-    trunk.mkdir(parents=True), pilot.mkdir()
-    cpu = [0, 100, 200, 330]  # steps 0, 10, 20, 30: 10, 10 and 13 s a step
-    (trunk / "metrics.jsonl").write_text("".join(json.dumps(
-        {"step": 10 * i, "time_train_cpu": c, **({"argv": []} if i == 0 else {})}) + "\n"
-        for i, c in enumerate(cpu)))
+    trunk.mkdir(parents=True), pilot.mkdir(exist_ok=True)
+    (trunk / "metrics.jsonl").write_text(timed_rows([(0, 0), (10, 100), (20, 200), (30, 400)]))
     (trunk / "chunks.jsonl").write_text("".join(json.dumps({"steps_to": t, "cpu_s": c}) + "\n"
-                                                for t, c in [(10, 150), (20, 150), (30, 200)]))
-    (pilot / "n256-steps.jsonl").write_text("".join(json.dumps(
-        {"step": i, "time_train_cpu": c, **({"argv": []} if i == 0 else {})}) + "\n"
-        for i, c in enumerate([0, 250, 400])))  # 250 and 150 s: median 200
-    (pilot / "census-cpu.json").write_text(json.dumps(dict(cpu_s=80, prompts=8, samples=256)))
+                                                for t, c in chunks))
+    (pilot / "n256-steps.jsonl").write_text(timed_rows([(0, 0), (1, 250), (2, 350), (3, 900)]))
+    (pilot / "census-cpu.json").write_text(json.dumps(dict(cpu_s=80, prompts=prompts,
+                                                           samples=128)))
+
+
+def test_the_plan_prices_each_arm_from_the_measured_costs(tmp_path, monkeypatch):
+    """Each arm's CPU hours from the raw files, computed by hand here: an N = 16 step the mean of
+    the trunk's last TRAILING steps, an N = 256 step the pilot's mean, a run's load and its two
+    evaluations the first chunk's CPU beyond its steps, a census prompt the pilot's per sample."""
+    raw = tmp_path / "raw"
+    made_up_costs(raw)
+    monkeypatch.setattr(srs, "TRAILING", 20)  # steps 10-30: 10 and 20 s a step
     text = srs.plan(raw, srs.TESTBEDS["add3"], 5, 40)
     row = lambda name: next(ln for ln in text.splitlines() if ln.startswith(f"| {name} |"))
-    assert "load and evaluations: 100 s" in text.splitlines()[0]
-    assert row("n16") == f"| n16 | 5 | 4 | 10 | {5 * (4 * 10 + 100) / 3600:.2f} |"
-    assert row("n256-lr") == f"| n256-lr | 5 | 4 | 200 | {5 * (4 * 200 + 100) / 3600:.2f} |"
-    assert row("n16-long") == f"| n16-long | 5 | 64 | 10 | {5 * (64 * 10 + 100) / 3600:.2f} |"
-    censuses = 20 * 48 * 10 / 3600  # 10 s a prompt at 256 samples
-    assert row("end censuses (48 x 256)").endswith(f"| 10.0 a prompt | {censuses:.2f} |")
-    arms = (5 * (4 * 10 + 100) + 2 * 5 * (4 * 200 + 100) + 5 * (64 * 10 + 100)) / 3600
+    step, big, run = 15, (250 + 100 + 550) / 3, 150 - 100
+    assert f"load and evaluations: {run} s" in text.splitlines()[0]
+    assert row("n16") == f"| n16 | 5 | 4 | 15 | {5 * (4 * step + run) / 3600:.2f} |"
+    assert row("n256-lr") == f"| n256-lr | 5 | 4 | 300 (100-550) | " \
+                             f"{5 * (4 * big + run) / 3600:.2f} |"
+    assert row("n16-long") == f"| n16-long | 5 | 64 | 15 | {5 * (64 * step + run) / 3600:.2f} |"
+    prompt = 80 / 8 * 256 / 128  # a census prompt at 256 samples
+    censuses = 20 * 48 * prompt / 3600
+    assert row("end censuses (48 x 256)").endswith(f"| {prompt:.1f} a prompt | {censuses:.2f} |")
+    arms = (5 * (4 * step + run) + 2 * 5 * (4 * big + run) + 5 * (64 * step + run)) / 3600
     assert f"**{arms + censuses:.2f}**" in row("**the arms**")
-    assert row("spent: add3 trunk").endswith(f"| {500 / 3600:.2f} |")
-    coming = (10 * 15 + 64 * 20) / 3600  # 10 steps at 15 s (the chunks' median), 64 x 512 samples
-    assert row("to come, at most: the trunk to step 40, its census").endswith(f"| {coming:.2f} |")
-    left = 30 - 500 / 3600 - coming
+    assert row("spent: add3 trunk").endswith(f"| {610 / 3600:.2f} |")
+    trunk = 10 * 610 / 30 / 3600  # 10 steps at the chunks' mean step
+    assert row("to come: the trunk to step 40 (its mean step)").endswith(f"| {trunk:.2f} |")
+    census_cost = 64 * 2 * prompt / 3600  # 64 prompts x 512 samples
+    assert row("to come: its plateau census (64 x 512)").endswith(f"| {census_cost:.2f} |")
+    left = 30 - 610 / 3600 - trunk - census_cost
     assert row("left of 30 CPU h").endswith(f"| {left:.2f} (the arms fit) |")
+    monkeypatch.setattr(srs, "BUDGET_H", 1)
+    assert srs.plan(raw, srs.TESTBEDS["add3"], 5, 40).endswith("(the arms do not fit) |\n")
+
+
+def test_the_plan_refuses_what_it_cannot_price_in_one_line(tmp_path, capsys):
+    for broken, named in [(dict(chunks=()), "chunks.jsonl: no chunk recorded"),
+                          (dict(chunks=((10, 150), (10, 160))), "do not increase"),
+                          (dict(chunks=((5, 150),)), "no time_train_cpu at step 5"),
+                          (dict(prompts=0), "census-cpu.json: cpu_s, prompts and samples")]:
+        raw = tmp_path / str(len(named))
+        made_up_costs(raw, **broken)
+        with pytest.raises(SystemExit):
+            srs.plan(raw, srs.TESTBEDS["add3"], 5, 40)
+        err = capsys.readouterr().err
+        assert named in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(SystemExit):
+        srs.plan(tmp_path, srs.TESTBEDS["add2"], 5, 40)
+    assert "no measured N = 256 step" in capsys.readouterr().err
 
 
 def test_go_counts_prompts_resolved_inside_the_reach():
@@ -294,7 +326,6 @@ def test_the_committed_report_and_figure_regenerate_from_the_raw_files(bed):
     if not (raw / "report.md").is_file():
         pytest.skip(f"no report of {bed} committed yet: its plateau census has not ended")
     import tempfile
-    from pathlib import Path
     assert srs.report(raw) == (raw / "report.md").read_text()
     with tempfile.TemporaryDirectory() as tmp:
         srs.figure(raw, Path(tmp) / "figure.png", srs.TESTBEDS[bed].window)

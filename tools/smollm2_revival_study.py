@@ -314,50 +314,70 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
 # The plan: the arms' CPU hours from measured costs, before any arm runs
 
 BUDGET_H = 30  # the study's CPU hours in all, trunks and censuses included
+TRAILING = 30  # an N = 16 step is priced at the trunk's last 30 steps' mean: the arms' start
 
 
-def step_cpu(rows: list) -> float:
-    """The median training CPU seconds a step, from a run's rows (cumulative time_train_cpu)."""
-    points = [(r["step"], r["time_train_cpu"]) for r in rows if "time_train_cpu" in r]
-    return statistics.median((c - c0) / (s - s0) for (s0, c0), (s, c) in zip(points, points[1:])
-                             if s > s0)
+@dataclass(frozen=True)
+class Costs:
+    """The measured CPU seconds the plan prices from."""
+    step: float  # an N = 16 step: the mean of the trunk's last TRAILING
+    big: list  # each N = BIG step of the pilot (n{BIG}-steps.jsonl): priced at their mean
+    run: float  # a run's load and its two evaluations: the trunk's first chunk beyond its steps
+    trunk_step: float  # a trunk step with its share of its chunk's evaluation and load: the mean
+    trunk_at: int  # the trunk's last recorded step
+    prompt256: float  # a census prompt at 256 samples: the pilot's (census-cpu.json, one load in)
 
 
-def costs(raw_root: Path, bed: Testbed) -> dict:
-    """The measured CPU seconds the plan prices from: an N = 16 step (the trunk's median), an
-    N = BIG step (the pilot's n{BIG}-steps.jsonl), a run's load and its two evaluations (twice the
-    median of a trunk chunk's CPU beyond its steps), a trunk step with its share of a chunk's
-    evaluation, and a census prompt at 256 samples (the pilot's census-cpu.json, one load in it)."""
-    if not bed.pilot:
-        fail(f"--plan: the testbed {bed.folder or 'add2'} has no measured N = {BIG} step (a pilot)")
+def step_cpu(path: Path, first: int = 0) -> list:
+    """The training CPU seconds of each step after `first` of a run's raw rows (their cumulative
+    time_train_cpu); one line if fewer than two rows are timed."""
+    points = [(r["step"], r["time_train_cpu"]) for r in study.raw_rows(path)
+              if "time_train_cpu" in r and r["step"] >= first]
+    if len(points) < 2:
+        fail(f"{path}: fewer than two rows with time_train_cpu after step {first}: no step priced")
+    return [(c - c0) / (s - s0) for (s0, c0), (s, c) in zip(points, points[1:]) if s > s0]
+
+
+def costs(raw_root: Path, bed: Testbed) -> Costs:
+    """A testbed's measured costs, from its trunk's raw files and its pilot's."""
     pilot, trunk_dir = raw_root / bed.pilot, raw_root / bed.folder / "trunk"
-    rows = study.raw_rows(trunk_dir / "metrics.jsonl")
-    done = {r["step"]: r["time_train_cpu"] for r in rows}
-    chunks = study.read_jsonl(trunk_dir / "chunks.jsonl", ("steps_to", "cpu_s"))
-    spans = list(zip([0] + [c["steps_to"] for c in chunks], chunks))  # (from step, chunk)
-    census_cpu = study.read_json(pilot / "census-cpu.json", ("cpu_s", "prompts", "samples"))
-    return dict(step=step_cpu(rows), big=step_cpu(study.raw_rows(pilot / f"n{BIG}-steps.jsonl")),
-                run=2 * statistics.median(c["cpu_s"] - done[c["steps_to"]] + done[s0]
-                                          for s0, c in spans if c["steps_to"] in done),
-                trunk_step=statistics.median(c["cpu_s"] / (c["steps_to"] - s0) for s0, c in spans),
-                trunk_at=spans[-1][1]["steps_to"] if spans else 0,
-                prompt256=census_cpu["cpu_s"] / census_cpu["prompts"] * 256
-                / census_cpu["samples"])
+    metrics, chunks = trunk_dir / "metrics.jsonl", study.chunk_records(trunk_dir / "chunks.jsonl")
+    if not chunks:
+        fail(f"{trunk_dir / 'chunks.jsonl'}: no chunk recorded: nothing to price from")
+    done = {r["step"]: r.get("time_train_cpu") for r in study.raw_rows(metrics)}
+    first = chunks[0]["steps_to"]
+    if not isinstance(done.get(first), (int, float)):
+        fail(f"{metrics}: no time_train_cpu at step {first}, the first chunk's end")
+    head = study.read_json(pilot / "census-cpu.json", ("cpu_s", "prompts", "samples"))
+    if not all(isinstance(head[k], (int, float)) and head[k] > 0
+               for k in ("cpu_s", "prompts", "samples")):
+        fail(f"{pilot / 'census-cpu.json'}: cpu_s, prompts and samples must be numbers > 0")
+    at = chunks[-1]["steps_to"]
+    return Costs(step=statistics.fmean(step_cpu(metrics, at - TRAILING)),
+                 big=step_cpu(pilot / f"n{BIG}-steps.jsonl"),
+                 run=chunks[0]["cpu_s"] - done[first],  # loaded, evaluated at 0 and at its end
+                 trunk_step=sum(c["cpu_s"] for c in chunks) / at, trunk_at=at,
+                 prompt256=head["cpu_s"] / head["prompts"] * 256 / head["samples"])
 
 
 def plan(raw_root: Path, bed: Testbed, seeds: int, max_steps: int) -> str:
-    """The arms' CPU hours at `seeds` seeds from costs(); beside them what the trunks and the
-    plateau censuses spent (a census at the pilot's cost a prompt), and before the testbed's
-    plateau its trunk to max_steps and its census, at most: all against BUDGET_H."""
+    """The arms' CPU hours at `seeds` seeds from the testbed's costs; beside them what the trunks
+    and the plateau censuses spent (a census at the pilot's cost a prompt) and, until they are
+    recorded, the testbed's trunk to max_steps and its plateau census: all against BUDGET_H."""
+    if not bed.pilot:
+        fail(f"--plan: the testbed {bed.folder or 'add2'} has no measured N = {BIG} step (a pilot)")
     c = costs(raw_root, bed)
-    prompt = lambda samples: c["prompt256"] * samples / 256
+    big = statistics.fmean(c.big)
+    prompt = lambda samples: c.prompt256 * samples / 256
     lines = [f"| arm | runs | steps a run | CPU s a step | CPU h (a run's load and evaluations: "
-             f"{c['run']:.0f} s) |", "|---|---|---|---|---|"]
+             f"{c.run:.0f} s) |", "|---|---|---|---|---|"]
     total = 0.0
     for arm, (flags, steps) in ARMS.items():
-        step = c["big"] if "--n_rollouts" in flags else c["step"]
-        total += (hours := seeds * (steps * step + c["run"]) / 3600)
-        lines.append(f"| {arm} | {seeds} | {steps} | {step:.0f} | {hours:.2f} |")
+        n = int(flags[flags.index("--n_rollouts") + 1]) if "--n_rollouts" in flags else 16
+        step, shown = ((big, f"{big:.0f} ({min(c.big):.0f}-{max(c.big):.0f})") if n == BIG
+                       else (c.step, f"{c.step:.0f}"))
+        total += (hours := seeds * (steps * step + c.run) / 3600)
+        lines.append(f"| {arm} | {seeds} | {steps} | {shown} | {hours:.2f} |")
     total += (censuses := len(ARMS) * seeds * END_PROMPTS * prompt(END_SAMPLES) / 3600)
     lines += [f"| end censuses ({END_PROMPTS} x {END_SAMPLES}) | {len(ARMS) * seeds} | | "
               f"{prompt(END_SAMPLES):.1f} a prompt | {censuses:.2f} |",
@@ -366,15 +386,17 @@ def plan(raw_root: Path, bed: Testbed, seeds: int, max_steps: int) -> str:
     for name, t in TESTBEDS.items():
         if (chunks := raw_root / t.folder / "trunk" / "chunks.jsonl").is_file():
             spent[f"spent: {name} trunk"] = sum(
-                r["cpu_s"] for r in study.read_jsonl(chunks, ("steps_to", "cpu_s"))) / 3600
+                r["cpu_s"] for r in study.chunk_records(chunks)) / 3600
         if (raw_root / t.folder / "census-plateau" / "census.jsonl").is_file():
-            spent[f"spent: {name} plateau census (at the pilot's cost)"] = sum(
+            spent[f"spent: {name} plateau census (at the pilot's cost a prompt)"] = sum(
                 prompt(r["samples"]) for r in census.load(raw_root / t.folder / "census-plateau")
             ) / 3600
     if not (raw_root / bed.folder / "trunk" / "plateau.json").is_file():
-        spent[f"to come, at most: the trunk to step {max_steps}, its census"] = (
-            max(0, max_steps - c["trunk_at"]) * c["trunk_step"]
-            + CENSUS_PROMPTS * prompt(512)) / 3600
+        spent[f"to come: the trunk to step {max_steps} (its mean step)"] = (
+            max(0, max_steps - c.trunk_at) * c.trunk_step / 3600)
+    if not (raw_root / bed.folder / "census-plateau" / "census.jsonl").is_file():
+        spent[f"to come: its plateau census ({CENSUS_PROMPTS} x 512)"] = (
+            CENSUS_PROMPTS * prompt(512) / 3600)
     lines += [f"| {what} | | | | {hours:.2f} |" for what, hours in spent.items()]
     left = BUDGET_H - sum(spent.values())
     fits = "the arms fit" if total <= left else "the arms do not fit"
@@ -579,10 +601,10 @@ def main(argv=None):
     study.check_seeds(a.seeds)
     bed = TESTBEDS[a.testbed]
     out, raw = Path(a.out) / bed.folder, Path(a.raw) / bed.folder
-    study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if a.plan:
         print(plan(Path(a.raw), bed, len(a.seeds), a.max_steps), end="")
         return
+    study.check_folder("--raw", raw, files=("report.md", "figure.png"))
     if a.report:
         if not (raw / "census-plateau" / "census.jsonl").is_file():
             fail(f"--report: {raw / 'census-plateau'} holds no census: nothing to report")
@@ -619,7 +641,7 @@ def main(argv=None):
             if not plateau_census(out, raw, a.census_first, bed.task)["go"] or \
                     a.only == "census":
                 return
-        if bed.pilot:
+        if bed.pilot and (Path(a.raw) / bed.pilot).is_dir():  # the plan, as --plan prints it
             print(plan(Path(a.raw), bed, len(a.seeds), a.max_steps), end="", flush=True)
         arms(out, raw, a.seeds, a.jobs, bed.task)
 

@@ -385,6 +385,16 @@ def read_jsonl(path: Path, keys=()) -> list:
     return out
 
 
+def chunk_records(path: Path) -> list:
+    """A chunked run's records (chunks.jsonl: each chunk's steps_to and cpu_s), their steps
+    increasing; else one line naming the file."""
+    recs = read_jsonl(path, ("steps_to", "cpu_s"))
+    steps = [r["steps_to"] for r in recs]
+    if any(b <= a for a, b in zip([0, *steps], steps)):
+        fail(f"{path}: its chunks' steps {steps} do not increase; not a record of this run")
+    return recs
+
+
 def measured(path, measure, *args):
     """measure(*args) of one raw file's rows, or one line naming the file: a file of another study
     (or edited) lacks what this study measures."""
@@ -444,13 +454,7 @@ class ChunkedRun:
         self.keep_copies = keep_copies
 
     def records(self) -> list:
-        recs = read_jsonl(self.records_file, ("steps_to", "cpu_s")) \
-            if self.records_file.is_file() else []
-        steps = [r["steps_to"] for r in recs]
-        if any(b <= a for a, b in zip([0, *steps], steps)):
-            fail(f"{self.records_file}: its chunks' steps {steps} do not increase; not a record "
-                 "of this run")
-        return recs
+        return chunk_records(self.records_file) if self.records_file.is_file() else []
 
     def check(self) -> int:
         """The step of the last recorded chunk (0 if none), after the checks that nothing else

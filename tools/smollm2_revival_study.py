@@ -1,7 +1,7 @@
 """
 smollm2_revival_study.py: the paper's experiment on a real model. Does breadth revive a
 SmolLM2-135M-Instruct run that more steps at N = 16 no longer improve (docs/paper.md §1, §4)?
-Three phases, every run a `python brorl.py` in a subprocess on one thread:
+Three phases of runs (trunk, census, arms), each a subprocess on one thread, a plan and a report:
 
   trunk   ProRL's shape: the preset (`--preset smollm2`: two-digit additions, N = 16, B = 4,
           lr 1e-5, T 0.6, 48 new tokens, two mini-batches, at most two sampling rounds) with a
@@ -11,6 +11,7 @@ Three phases, every run a `python brorl.py` in a subprocess on one thread:
           goes on from the last recorded chunk), until the plateau rule below holds.
   census  at the plateau, before any arm: the first --census_prompts held-out prompts x 512
           samples at the training temperature (tools/census.py), and the go/no-go below.
+  plan    each arm's CPU hours from measured costs (plan(); --plan), printed before the arms.
   arms    only on a go: from the plateau checkpoint (its weights and AdamW moments), seeds 0-4,
           each arm one run a seed, then each run's end censused (END_PROMPTS x END_SAMPLES):
             n16       N = 16 continued, STEPS steps

@@ -120,7 +120,7 @@ def timed_rows(steps_cpu: list) -> str:
 
 def made_up_costs(raw: Path, chunks=((10, 150), (20, 160), (30, 300)), prompts=8):
     """A trunk of three chunks (steps 20-30 at 20 s a step, earlier at 10) and a pilot: N = 256
-    steps of 250, 100 and 550 s; a census prompt 80 s / 8 at 128 samples."""
+    steps of 250, 100 and 550 s; a census prompt 80 s / 8 at 128 samples; an evaluation 60 s."""
     trunk, pilot = raw / "add3" / "trunk", raw / "add3-pilot"
     trunk.mkdir(parents=True), pilot.mkdir(exist_ok=True)
     (trunk / "metrics.jsonl").write_text(timed_rows([(0, 0), (10, 100), (20, 200), (30, 400)]))
@@ -129,6 +129,7 @@ def made_up_costs(raw: Path, chunks=((10, 150), (20, 160), (30, 300)), prompts=8
     (pilot / "n256-steps.jsonl").write_text(timed_rows([(0, 0), (1, 250), (2, 350), (3, 900)]))
     (pilot / "census-cpu.json").write_text(json.dumps(dict(cpu_s=80, prompts=prompts,
                                                            samples=128)))
+    (pilot / "base-eval.json").write_text(json.dumps(dict(seconds=60)))
 
 
 def test_the_plan_prices_each_arm_from_the_measured_costs(tmp_path, monkeypatch):
@@ -156,7 +157,9 @@ def test_the_plan_prices_each_arm_from_the_measured_costs(tmp_path, monkeypatch)
     assert row("to come: the trunk to step 40 (its mean step)").endswith(f"| {trunk:.2f} |")
     census_cost = 64 * 2 * prompt / 3600  # 64 prompts x 512 samples
     assert row("to come: its plateau census (64 x 512)").endswith(f"| {census_cost:.2f} |")
-    left = 30 - 610 / 3600 - trunk - census_cost
+    pilot = (900 + 80 + 60) / 3600  # its N = 256 steps' training CPU, the census timing, an eval
+    assert row("spent: add3-pilot (as its files record)").endswith(f"| {pilot:.2f} |")
+    left = 30 - pilot - 610 / 3600 - trunk - census_cost
     assert row("left of 30 CPU h").endswith(f"| {left:.2f} (the arms fit) |")
     monkeypatch.setattr(srs, "BUDGET_H", 1)
     assert srs.plan(raw, srs.TESTBEDS["add3"], 5, 40).endswith("(the arms do not fit) |\n")

@@ -327,6 +327,8 @@ class Costs:
     trunk_step: float  # a trunk step with its share of its chunk's evaluation and load: the mean
     trunk_at: int  # the trunk's last recorded step
     prompt256: float  # a census prompt at 256 samples: the pilot's (census-cpu.json, one load in)
+    pilot: float  # the pilot's own, as its files record it (evaluations' seconds at one thread,
+    # the N = BIG steps' training CPU, the census timing)
 
 
 def step_cpu(path: Path, first: int = 0) -> list:
@@ -353,12 +355,14 @@ def costs(raw_root: Path, bed: Testbed) -> Costs:
     if not all(isinstance(head[k], (int, float)) and head[k] > 0
                for k in ("cpu_s", "prompts", "samples")):
         fail(f"{pilot / 'census-cpu.json'}: cpu_s, prompts and samples must be numbers > 0")
-    at = chunks[-1]["steps_to"]
+    at, big_rows = chunks[-1]["steps_to"], study.raw_rows(pilot / f"n{BIG}-steps.jsonl")
+    evals = [study.read_json(f, ("seconds",))["seconds"] for f in sorted(pilot.glob("*-eval.json"))]
     return Costs(step=statistics.fmean(step_cpu(metrics, at - TRAILING)),
                  big=step_cpu(pilot / f"n{BIG}-steps.jsonl"),
                  run=chunks[0]["cpu_s"] - done[first],  # loaded, evaluated at 0 and at its end
                  trunk_step=sum(c["cpu_s"] for c in chunks) / at, trunk_at=at,
-                 prompt256=head["cpu_s"] / head["prompts"] * 256 / head["samples"])
+                 prompt256=head["cpu_s"] / head["prompts"] * 256 / head["samples"],
+                 pilot=sum(evals) + big_rows[-1].get("time_train_cpu", 0) + head["cpu_s"])
 
 
 def plan(raw_root: Path, bed: Testbed, seeds: int, max_steps: int) -> str:
@@ -383,7 +387,7 @@ def plan(raw_root: Path, bed: Testbed, seeds: int, max_steps: int) -> str:
     lines += [f"| end censuses ({END_PROMPTS} x {END_SAMPLES}) | {len(ARMS) * seeds} | | "
               f"{prompt(END_SAMPLES):.1f} a prompt | {censuses:.2f} |",
               f"| **the arms** | | | | **{total:.2f}** |"]
-    spent = {}
+    spent = {f"spent: {bed.pilot} (as its files record)": c.pilot / 3600}
     for name, t in TESTBEDS.items():
         if (chunks := raw_root / t.folder / "trunk" / "chunks.jsonl").is_file():
             spent[f"spent: {name} trunk"] = sum(

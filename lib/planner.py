@@ -31,6 +31,7 @@ import torch
 
 import kernels
 from lib import logprobs
+from lib.policy import device_default_dtype
 from sampler import MIN_ROWS, padded_len
 
 GB = 2**30
@@ -249,8 +250,8 @@ def logits_bytes(rows: int, V: int, H: int, c: int, plain: bool = True) -> int:
 
 
 def _compute_bytes(cfg) -> int:
-    dtype = (cfg.dtype if cfg.dtype != "auto"
-             else ("bfloat16" if torch.cuda.is_available() and cfg.device != "cpu" else "float32"))
+    device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
+    dtype = cfg.dtype if cfg.dtype != "auto" else device_default_dtype(device)
     return 2 if dtype == "bfloat16" else 4
 
 

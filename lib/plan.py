@@ -31,7 +31,7 @@ def plan(cfg) -> list:
         model_config = AutoConfig.from_pretrained(name, revision=revision)
         tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
-        fail(f"--model {name}: its config.json is refused by transformers ({config_refusal(e)})")
+        fail(config_refusal("--model", name, e))
     except (OSError, ValueError) as e:
         fail(f"--model {name}: could not load its config and tokenizer ({str(e).splitlines()[0]})")
     # The dtype is made concrete as setup() makes it: the policy's run's own, else the device's.

@@ -52,7 +52,7 @@ def load_policy(name: str, device, flag="--model"):
                  or "its .safetensors")
         fail(f"{flag} {name}: {files} unreadable ({str(e).splitlines()[0]})")
     except StrictDataclassError as e:  # a field of config.json that transformers' checks refuse
-        fail(f"{flag} {name}: its config.json is refused by transformers ({config_refusal(e)})")
+        fail(config_refusal(flag, name, e))
     except (OSError, ValueError) as e:
         fail(f"{flag} {name}: could not load ({str(e).splitlines()[0]})")
     except RuntimeError as e:  # a weight's shape is not its config's (transformers' own check)
@@ -68,13 +68,14 @@ def load_policy(name: str, device, flag="--model"):
     return model.to(device), tok
 
 
-def config_refusal(e: Exception) -> str:
-    """The reason in a config validation error, which names the field: its last line, without the
-    inner error's type ("Validation error for field 'x':", then "TypeError: Field 'x' expected
-    int, got str")."""
+def config_refusal(flag: str, name: str, e: Exception) -> str:
+    """The line for a config.json that transformers' validation refuses, with the reason in its
+    error, which names the field: its last line, without the inner error's type ("Validation error
+    for field 'x':", then "TypeError: Field 'x' expected int, got str")."""
     last = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
     kind, sep, rest = last.partition(": ")
-    return (rest if sep and kind.isidentifier() and kind.endswith("Error") else last)[:200]
+    reason = (rest if sep and kind.isidentifier() and kind.endswith("Error") else last)[:200]
+    return f"{flag} {name}: its config.json is refused by transformers ({reason})"
 
 
 def check_model_config(path: Path, flag: str):

@@ -77,6 +77,13 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def device_default_dtype(device_type: str) -> str:
+    """What --dtype auto stands for on a device where no model is at hand to choose by (before
+    setup's pick_dtype, lib/policy.py, or in a run's config.json written before auto's choice was
+    recorded): bf16 on CUDA, fp32 elsewhere."""
+    return "bfloat16" if device_type == "cuda" else "float32"
+
+
 def setup(device: str) -> torch.device:
     """Join the process group when launched by torchrun; return this rank's device (pick_device)."""
     device = pick_device(device)

@@ -30,8 +30,7 @@ import math
 import torch
 
 import kernels
-from lib import logprobs
-from lib.policy import device_default_dtype
+from lib import distributed, logprobs
 from sampler import MIN_ROWS, padded_len
 
 GB = 2**30
@@ -251,7 +250,7 @@ def logits_bytes(rows: int, V: int, H: int, c: int, plain: bool = True) -> int:
 
 def _compute_bytes(cfg) -> int:
     device = "cuda" if torch.cuda.is_available() and cfg.device != "cpu" else "cpu"
-    dtype = cfg.dtype if cfg.dtype != "auto" else device_default_dtype(device)
+    dtype = cfg.dtype if cfg.dtype != "auto" else distributed.device_default_dtype(device)
     return 2 if dtype == "bfloat16" else 4
 
 

@@ -176,7 +176,7 @@ def pick_dtype(cfg, device, model_config, source: str = "") -> tuple:
     if source and (recorded := recorded_dtype(source)):
         return recorded, f"the dtype the run that wrote {source} computed in"
     if device.type != "cpu":
-        return device_default_dtype(device.type), f"on {device.type}"
+        return distributed.device_default_dtype(device.type), f"on {device.type}"
     hidden = getattr(model_config.get_text_config(), "hidden_size", 0) or 0
     if not (isa := cpu_bf16()):
         return "float32", "this CPU has neither AVX512_BF16 nor AMX: bf16 would be emulated"
@@ -186,17 +186,10 @@ def pick_dtype(cfg, device, model_config, source: str = "") -> tuple:
     return "bfloat16", f"this CPU computes bf16 natively ({isa}); hidden size {hidden}"
 
 
-def device_default_dtype(device_type: str) -> str:
-    """What --dtype auto stands for where no model is at hand to choose by (before setup's
-    pick_dtype, or in a run's config.json written before auto's choice was recorded): bf16 on
-    CUDA, fp32 elsewhere."""
-    return "bfloat16" if device_type == "cuda" else "float32"
-
-
 def compute_dtype(cfg, device) -> torch.dtype:
     """--dtype as a torch dtype, once setup (pick_dtype) has made auto concrete; auto before that
-    is device_default_dtype's."""
-    dtype = device_default_dtype(device.type) if cfg.dtype == "auto" else cfg.dtype
+    is distributed.device_default_dtype's."""
+    dtype = distributed.device_default_dtype(device.type) if cfg.dtype == "auto" else cfg.dtype
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 

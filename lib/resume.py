@@ -11,7 +11,6 @@ from pathlib import Path
 
 from lib import distributed
 from lib.errors import fail
-from lib.policy import device_default_dtype
 from lib.rundir import evaluated_step, surviving_checkpoint
 
 
@@ -62,7 +61,7 @@ def resumed_config(config_cls, overrides: dict, preset: str) -> dict:
         del overrides["dtype"]
     if base["dtype"] == "auto" and "dtype" not in overrides:  # written before auto was recorded
         device = distributed.pick_device(overrides.get("device", base["device"]))
-        base["dtype"] = device_default_dtype(device.type)
+        base["dtype"] = distributed.device_default_dtype(device.type)
         notes.append(f"--resume {run}: its config.json says --dtype auto, which then chose "
                      f"{base['dtype']} on this device; it keeps {base['dtype']}")
     changed = [k for k, v in overrides.items() if k not in ("resume", "out") and base[k] != v]

@@ -331,10 +331,10 @@ class Costs:
     # the N = BIG steps' training CPU, the census timing)
 
 
-def step_cpu(path: Path, first: int = 0) -> list:
-    """The training CPU seconds of each step after `first` of a run's raw rows (their cumulative
-    time_train_cpu); one line if fewer than two rows are timed."""
-    points = [(r["step"], r["time_train_cpu"]) for r in study.raw_rows(path)
+def step_cpu(rows: list, path: Path, first: int = 0) -> list:
+    """The training CPU seconds of each step after `first` of a run's raw rows (path's, their
+    cumulative time_train_cpu); one line if fewer than two rows are timed."""
+    points = [(r["step"], r["time_train_cpu"]) for r in rows
               if "time_train_cpu" in r and r["step"] >= first]
     if len(points) < 2:
         fail(f"{path}: fewer than two rows with time_train_cpu after step {first}: no step priced")
@@ -347,7 +347,8 @@ def costs(raw_root: Path, bed: Testbed) -> Costs:
     metrics, chunks = trunk_dir / "metrics.jsonl", study.chunk_records(trunk_dir / "chunks.jsonl")
     if not chunks:
         fail(f"{trunk_dir / 'chunks.jsonl'}: no chunk recorded: nothing to price from")
-    done = {r["step"]: r.get("time_train_cpu") for r in study.raw_rows(metrics)}
+    rows = study.raw_rows(metrics)
+    done = {r["step"]: r.get("time_train_cpu") for r in rows}
     first = chunks[0]["steps_to"]
     if not isinstance(done.get(first), (int, float)):
         fail(f"{metrics}: no time_train_cpu at step {first}, the first chunk's end")
@@ -355,10 +356,11 @@ def costs(raw_root: Path, bed: Testbed) -> Costs:
     if not all(isinstance(head[k], (int, float)) and head[k] > 0
                for k in ("cpu_s", "prompts", "samples")):
         fail(f"{pilot / 'census-cpu.json'}: cpu_s, prompts and samples must be numbers > 0")
-    at, big_rows = chunks[-1]["steps_to"], study.raw_rows(pilot / f"n{BIG}-steps.jsonl")
+    at, big_path = chunks[-1]["steps_to"], pilot / f"n{BIG}-steps.jsonl"
+    big_rows = study.raw_rows(big_path)
     evals = [study.read_json(f, ("seconds",))["seconds"] for f in sorted(pilot.glob("*-eval.json"))]
-    return Costs(step=statistics.fmean(step_cpu(metrics, at - TRAILING)),
-                 big=step_cpu(pilot / f"n{BIG}-steps.jsonl"),
+    return Costs(step=statistics.fmean(step_cpu(rows, metrics, at - TRAILING)),
+                 big=step_cpu(big_rows, big_path),
                  run=chunks[0]["cpu_s"] - done[first],  # loaded, evaluated at 0 and at its end
                  trunk_step=sum(c["cpu_s"] for c in chunks) / at, trunk_at=at,
                  prompt256=head["cpu_s"] / head["prompts"] * 256 / head["samples"],
@@ -637,10 +639,11 @@ def main(argv=None):
             if not (raw / "trunk" / "plateau.json").is_file():
                 fail(f"no plateau yet ({raw / 'trunk' / 'plateau.json'}): run the trunk first")
             verdict = study.read_json(raw / "trunk" / "plateau.json", PLATEAU_KEYS)["verdict"]
-            if verdict in ("saturated", "wall") and not bed.start:
-                fail(f"{raw / 'trunk' / 'plateau.json'}: the trunk's verdict is {verdict}; the "
-                     "task is made harder and a new trunk run before any census")
-            if verdict in ("saturated", "wall"):  # the task was made harder once: the last change
+            if verdict in ("saturated", "wall"):
+                if not bed.start:
+                    fail(f"{raw / 'trunk' / 'plateau.json'}: the trunk's verdict is {verdict}; "
+                         "the task is made harder and a new trunk run before any census")
+                # The task was made harder once (a testbed with a start): the last change.
                 print(f"census: the trunk's verdict is {verdict}, on a task made harder once "
                       "already: its census says the go or no-go all the same", flush=True)
             if not plateau_census(out, raw, a.census_first, bed.task)["go"] or \

@@ -4,6 +4,7 @@ before any arm's end was read. Fast: no model."""
 
 import json
 import statistics
+import threading
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,31 @@ def test_arms_branch_from_the_plateau_with_the_arms_flags(tmp_path):
     assert value("--init_from") == str(tmp_path / "trunk-branch") and "--init_optimizer" in argv
     long = srs.arm_argv("n16-long", 0, tmp_path)
     assert long[long.index("--steps") + 1] == "64" and "--n_rollouts" not in long  # the preset's 16
+
+
+def test_the_end_censuses_run_jobs_at_a_time_and_name_each_failure(tmp_path, monkeypatch, capsys):
+    """After the arm runs, their end censuses run --jobs at a time (two at once meet at a barrier
+    that one at a time never reaches), each on its run's checkpoint; a failed one is named."""
+    out, raw = tmp_path / "out", tmp_path / "raw"
+    for folder in (out / "trunk-branch" / "ckpt", out / "arms", raw / "census-plateau"):
+        folder.mkdir(parents=True)
+    (raw / "census-plateau" / "go.json").write_text(json.dumps({"go": True}))
+    for arm in srs.ARMS:  # every arm run done: only the censuses are left
+        (raw / "arms" / arm).mkdir(parents=True)
+        (raw / "arms" / arm / "seed0.jsonl").write_text("{}\n")
+    meet, censused = threading.Barrier(2, timeout=60), []
+
+    def child(argv, log, cwd=None):
+        meet.wait()
+        censused.append(argv[-1])
+        return 1 if "n256-lr" in argv[-1] else 0
+
+    monkeypatch.setattr(srs.study, "run_child", child)
+    with pytest.raises(SystemExit):
+        srs.arms(out, raw, [0], jobs=2)
+    assert sorted(censused) == sorted(str(out / "arms" / a / "seed0" / "ckpt") for a in srs.ARMS)
+    err = capsys.readouterr().err
+    assert "1 run(s) failed" in err and "the census of n256-lr seed 0" in err, err
 
 
 def made_up_study(raw):

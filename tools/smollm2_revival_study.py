@@ -59,6 +59,7 @@ three-digit sums from add2's branch point, a 100-step plateau window, its files 
 """
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import sys
@@ -291,9 +292,18 @@ def end_census_argv(arm: str, seed: int, out: Path, raw: Path, task: tuple = ())
     return argv
 
 
+def end_census(arm: str, seed: int, out: Path, raw: Path, task: tuple = ()) -> str:
+    """One arm run's end census (it goes on from its recorded prompts); "" or its failure's line."""
+    argv = end_census_argv(arm, seed, out, raw, task)
+    print("census: " + " ".join(argv[1:]), flush=True)
+    with open(out / "arms" / f"{arm}-seed{seed}-census.log", "a") as f:
+        code = study.run_child(argv, f, cwd=HERE)
+    return "" if code == 0 else f"the census of {arm} seed {seed}: failed (exit {code}), {f.name}"
+
+
 def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
     """Every arm's runs, `jobs` at a time (a rerun skips those whose raw file exists), then each
-    finished run's end census, one at a time (each goes on from its recorded prompts)."""
+    run's end census, `jobs` at a time (each goes on from its recorded prompts)."""
     if not (out / "trunk-branch" / "ckpt").is_dir() or not (raw / "census-plateau" /
                                                               "go.json").is_file():
         fail(f"no plateau census yet ({raw / 'census-plateau' / 'go.json'}, "
@@ -301,14 +311,10 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
     if not json.loads((raw / "census-plateau" / "go.json").read_text())["go"]:
         fail(f"{raw / 'census-plateau' / 'go.json'}: a no-go; the arms do not run")
     study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, task), jobs))
-    for s in seeds:
-        for arm in ARMS:
-            argv = end_census_argv(arm, s, out, raw, task)
-            print("census: " + " ".join(argv[1:]), flush=True)
-            with open(out / "arms" / f"{arm}-seed{s}-census.log", "a") as f:
-                code = study.run_child(argv, f, cwd=HERE)
-            if code != 0:
-                sys.exit(f"error: the census of {arm} seed {s} failed (exit {code})")
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        study.exit_if_failed([line for line in pool.map(
+            lambda job: end_census(*job, out, raw, task), [(a, s) for s in seeds for a in ARMS])
+            if line])
 
 
 # ----------------------------------------------------------------------------

@@ -298,7 +298,10 @@ def end_census(arm: str, seed: int, out: Path, raw: Path, task: tuple = ()) -> s
     print("census: " + " ".join(argv[1:]), flush=True)
     with open(out / "arms" / f"{arm}-seed{seed}-census.log", "a") as f:
         code = study.run_child(argv, f, cwd=HERE)
-    return "" if code == 0 else f"the census of {arm} seed {seed}: failed (exit {code}), {f.name}"
+    line = f"the census of {arm} seed {seed}: " + ("done" if code == 0 else
+                                                  f"failed (exit {code}), {f.name}")
+    print(line, flush=True)
+    return "" if code == 0 else line
 
 
 def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
@@ -593,7 +596,8 @@ def main(argv=None):
                     help="one phase")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4],
                     help="the arms' seeds")
-    ap.add_argument("--jobs", type=int, default=2, help="arm runs at once (one thread each)")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="arm runs, then end censuses, at once (one thread each)")
     ap.add_argument("--report", action="store_true", help="the tests from the raw files")
     ap.add_argument("--plan", action="store_true",
                     help="the arms' CPU hours from the measured costs (printed again before them)")

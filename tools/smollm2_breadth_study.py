@@ -105,7 +105,6 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
     flags, one thread), seed by seed, `parallel` at a time; a census cut short goes on where it
     stopped; a census that cannot go on (end_census_problem) stops the driver first, in one line.
     Returns the lines of those that failed."""
-    import concurrent.futures
     import sys
     todo = [(arm, s) for arm, s in censuses_to_do(arms, seeds, first, raw)
             if (raw / "arms" / arm / f"seed{s}.jsonl").is_file()]
@@ -117,16 +116,9 @@ def end_censuses(arms: list, seeds: list, first: int, out: Path, raw: Path,
         argv = [sys.executable, "-m", "tools.census", "--out",
                 str(raw / f"census-arm-{arm}-s{s}"), "--samples", "512", "--first", str(first),
                 "--", *CENSUS_FLAGS, "--model", str(ckpt)]
-        print(f"census of {arm} seed {s}: {' '.join(argv[1:])}", flush=True)
-        with open(log, "a") as f:
-            code = study.run_child(argv, f)
-        line = f"census of {arm} seed {s}: " + ("done" if code == 0 else
-                                                 f"failed (exit {code}), {log}")
-        print(line, flush=True)
-        return "" if code == 0 else line
+        return study.run_logged(f"census of {arm} seed {s}", argv, log)
 
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        return [line for line in pool.map(one, todo) if line]
+    return study.in_parallel(one, todo, parallel)
 
 
 def censuses_to_do(arms: list, seeds: list, first: int, raw: Path) -> list:

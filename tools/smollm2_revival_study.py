@@ -59,7 +59,6 @@ three-digit sums from add2's branch point, a 100-step plateau window, its files 
 """
 
 import argparse
-import concurrent.futures
 import json
 import statistics
 import sys
@@ -294,14 +293,9 @@ def end_census_argv(arm: str, seed: int, out: Path, raw: Path, task: tuple = ())
 
 def end_census(arm: str, seed: int, out: Path, raw: Path, task: tuple = ()) -> str:
     """One arm run's end census (it goes on from its recorded prompts); "" or its failure's line."""
-    argv = end_census_argv(arm, seed, out, raw, task)
-    print("census: " + " ".join(argv[1:]), flush=True)
-    with open(out / "arms" / f"{arm}-seed{seed}-census.log", "a") as f:
-        code = study.run_child(argv, f, cwd=HERE)
-    line = f"the census of {arm} seed {seed}: " + ("done" if code == 0 else
-                                                  f"failed (exit {code}), {f.name}")
-    print(line, flush=True)
-    return "" if code == 0 else line
+    return study.run_logged(f"the census of {arm} seed {seed}",
+                            end_census_argv(arm, seed, out, raw, task),
+                            out / "arms" / f"{arm}-seed{seed}-census.log", cwd=HERE)
 
 
 def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
@@ -314,10 +308,8 @@ def arms(out: Path, raw: Path, seeds: list, jobs: int, task: tuple = ()):
     if not json.loads((raw / "census-plateau" / "go.json").read_text())["go"]:
         fail(f"{raw / 'census-plateau' / 'go.json'}: a no-go; the arms do not run")
     study.exit_if_failed(study.run_jobs(arm_jobs(out, raw, seeds, task), jobs))
-    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        study.exit_if_failed([line for line in pool.map(
-            lambda job: end_census(*job, out, raw, task), [(a, s) for s in seeds for a in ARMS])
-            if line])
+    study.exit_if_failed(study.in_parallel(lambda job: end_census(*job, out, raw, task),
+                                           [(a, s) for s in seeds for a in ARMS], jobs))
 
 
 # ----------------------------------------------------------------------------

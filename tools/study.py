@@ -233,10 +233,28 @@ def run_to_raw(job: Job) -> int:
     return code
 
 
+def in_parallel(one, items: list, parallel: int) -> list:
+    """one(item) for every item, `parallel` at a time, in order; the lines one returned for those
+    that failed (it returns "" for one that did not)."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        return [line for line in pool.map(one, items) if line]
+
+
+def run_logged(name: str, argv: list, log: Path, cwd=None) -> str:
+    """argv run as run_child runs it, its output appended to log, a line printed as it starts and
+    one as it ends; "" or its failure's line (naming the log)."""
+    print(f"{name}: {' '.join(argv[1:])}", flush=True)
+    with open(log, "a") as f:
+        code = run_child(argv, f, cwd=cwd)
+    line = f"{name}: " + ("done" if code == 0 else f"failed (exit {code}), {log}")
+    print(line, flush=True)
+    return "" if code == 0 else line
+
+
 def run_jobs(jobs: list, parallel: int) -> list:
     """Every job whose raw file is missing, `parallel` at a time, in order; each one's line printed
     as it ends. Returns the lines of those that failed."""
-    import concurrent.futures
     todo = pending(jobs)
 
     def one(job: Job) -> str:
@@ -246,8 +264,7 @@ def run_jobs(jobs: list, parallel: int) -> list:
         print(line, flush=True)
         return "" if code == 0 else line
 
-    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
-        return [line for line in pool.map(one, todo) if line]
+    return in_parallel(one, todo, parallel)
 
 
 def exit_if_failed(failed: list):
